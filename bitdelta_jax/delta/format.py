@@ -1,0 +1,153 @@
+"""The 1-bit delta format: `PackedDelta`, packing, unpacking and optimal scales.
+
+A delta ``Δ = W_ft − W_base`` of a Flax-layout kernel ``[K, N]`` (in, out) is stored as
+``α ⊙ S`` with ``S = sign(Δ)`` (sign(0) = +1) and α either one float per matrix or one per
+output column. Each is the L2-optimal value for its granularity:
+``argmin_α ‖Δ − α S‖² = ⟨Δ, S⟩ / ⟨S, S⟩ = mean|Δ|`` over the matrix or the column.
+
+Bit layout ("group-local bit planes", see docs/FORMAT.md): K is cut into groups of
+``group_k`` rows (a multiple of 8; P = group_k / 8 packed rows per group). Within group g,
+packed byte ``bits[g*P + p, n]`` holds in bit j the sign of row ``g*group_k + j*P + p``.
+So a contiguous run of whole groups is a contiguous slice of ``bits``, and bit plane j of a
+group is the contiguous row block ``[j*P, (j+1)*P)``: kernels expand it with a shift and a
+mask, no interleave. ``group_k == 8`` is the classic layout (byte i = rows 8i..8i+7).
+K is padded up to a multiple of ``group_k``; padded rows hold bit 0 and are never used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Granularity = Literal["matrix", "column"]
+GRANULARITIES: tuple[str, ...] = ("matrix", "column")
+LAYOUT = "group-bitplane-v1"
+DEFAULT_GROUP_K = 128
+
+
+def round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def group_k_for(k: int, group_k: int = DEFAULT_GROUP_K) -> int:
+  """The group size actually used for a contracting dimension of size ``k``.
+
+  Small matrices (``k < group_k``) use one group of ``round_up(k, 8)`` rows, so a tiny
+  model does not pay for padding up to ``group_k``.
+  """
+  if group_k <= 0 or group_k % 8:
+    raise ValueError(f"group_k must be a positive multiple of 8, got {group_k}")
+  return min(group_k, round_up(k, 8))
+
+
+def packed_rows(k: int, group_k: int) -> int:
+  return round_up(k, group_k) // 8
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedDelta:
+  """A 1-bit delta of one ``[K, N]`` kernel, or a bank of them (leading axes on the data).
+
+  Attributes:
+    bits: uint8 ``[..., round_up(K, group_k) // 8, N]``, layout described in the module doc.
+    scale: float32 ``[..., 1]`` (per matrix) or ``[..., N]`` (per output column).
+    shape: logical ``(K, N)`` of one matrix.
+    group_k: rows per bit-plane group (a multiple of 8).
+    granularity: ``"matrix"`` or ``"column"``.
+  """
+
+  bits: jax.Array | np.ndarray
+  scale: jax.Array | np.ndarray
+  shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+  group_k: int = dataclasses.field(metadata=dict(static=True), default=DEFAULT_GROUP_K)
+  granularity: str = dataclasses.field(metadata=dict(static=True), default="matrix")
+  layout: str = dataclasses.field(metadata=dict(static=True), default=LAYOUT)
+
+  def __post_init__(self):
+    k, n = self.shape
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
+    if self.layout != LAYOUT:
+      raise ValueError(f"unknown bit layout {self.layout!r} (this version reads {LAYOUT!r})")
+    # Shape checks only when the leaves are concrete arrays (not tracers / abstract leaves).
+    bits_shape = getattr(self.bits, "shape", None)
+    if bits_shape is not None and len(bits_shape) >= 2:
+      want = (packed_rows(k, self.group_k), n)
+      if tuple(bits_shape[-2:]) != want:
+        raise ValueError(
+          f"PackedDelta bits have trailing shape {tuple(bits_shape[-2:])}, expected {want} "
+          f"for logical shape {self.shape} with group_k={self.group_k}"
+        )
+
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.bits.shape)) + 4 * int(np.prod(self.scale.shape))
+
+
+def _pack_bits(positive, k: int, group_k: int, xp):
+  """positive: bool/uint8 [K, N] → uint8 [K_pad/8, N] in the group-bitplane layout."""
+  n = positive.shape[1]
+  k_pad = round_up(k, group_k)
+  b = positive.astype(xp.uint8)
+  if k_pad != k:
+    b = xp.concatenate([b, xp.zeros((k_pad - k, n), xp.uint8)], axis=0)
+  p = group_k // 8
+  b = b.reshape(k_pad // group_k, 8, p, n)
+  shifts = xp.arange(8, dtype=xp.uint8).reshape(1, 8, 1, 1)
+  packed = (b << shifts).sum(axis=1, dtype=xp.uint8) if xp is np else jnp.sum(
+    b << shifts, axis=1, dtype=jnp.uint8
+  )
+  return packed.reshape(k_pad // 8, n)
+
+
+def unpack_signs(bits, shape: tuple[int, int], group_k: int, dtype=jnp.float32):
+  """uint8 ``[..., K_pad/8, N]`` → ±1 ``[..., K, N]`` in ``dtype`` (works on jnp and np)."""
+  xp = np if isinstance(bits, np.ndarray) else jnp
+  k, n = shape
+  lead = bits.shape[:-2]
+  p = group_k // 8
+  g = bits.shape[-2] // p
+  b = bits.reshape(*lead, g, 1, p, n)
+  shifts = xp.arange(8, dtype=xp.uint8).reshape(8, 1, 1)
+  planes = (b >> shifts) & xp.uint8(1)  # [..., g, 8, p, n]
+  signs = planes.reshape(*lead, g * group_k, n)[..., :k, :]
+  return (signs.astype(dtype) * 2 - 1).astype(dtype)
+
+
+def optimal_scale(delta, granularity: str, xp=np):
+  """L2-optimal α for ``sign(delta)``: mean|Δ| over the matrix ([1]) or each column ([N])."""
+  a = xp.abs(delta.astype(xp.float32))
+  if granularity == "matrix":
+    return a.mean().reshape(1).astype(xp.float32)
+  if granularity == "column":
+    return a.mean(axis=0).astype(xp.float32)
+  raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+
+
+def pack(
+  delta, granularity: str = "matrix", group_k: int = DEFAULT_GROUP_K
+) -> PackedDelta:
+  """Packs a Flax-layout delta ``[K, N]`` into a `PackedDelta` (numpy in → numpy out)."""
+  xp = np if isinstance(delta, np.ndarray) else jnp
+  if delta.ndim != 2:
+    raise ValueError(f"pack expects a 2-D [in, out] delta, got shape {delta.shape}")
+  k, n = delta.shape
+  g = group_k_for(k, group_k)
+  d32 = delta.astype(xp.float32)
+  bits = _pack_bits(d32 >= 0, k, g, xp)
+  return PackedDelta(
+    bits=bits, scale=optimal_scale(d32, granularity, xp), shape=(k, n), group_k=g,
+    granularity=granularity,
+  )
+
+
+def dense_delta(pd: PackedDelta, dtype=jnp.float32):
+  """``α ⊙ S`` as a dense ``[K, N]`` array (for tests, apply and reference paths)."""
+  s = unpack_signs(pd.bits, pd.shape, pd.group_k, dtype=np.float32 if isinstance(
+    pd.bits, np.ndarray) else jnp.float32)
+  return (s * pd.scale[..., None, :]).astype(dtype)

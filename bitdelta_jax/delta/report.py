@@ -1,0 +1,103 @@
+"""Per-tensor and total compression report: bytes before/after, ratio, relative error."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorReport:
+  """One tensor. ``rel_error`` = ‖Δ − α·S‖_F / ‖Δ‖_F for packed tensors, 0 for exact ones."""
+
+  name: str
+  kind: str  # "packed" | "same" | "value" | "delta"
+  shape: tuple[int, ...]
+  dtype: str
+  bytes_before: int
+  bytes_after: int
+  rel_error: float
+  note: str = ""
+
+  @property
+  def ratio(self) -> float:
+    return self.bytes_before / self.bytes_after if self.bytes_after else math.inf
+
+  def to_dict(self) -> dict:
+    d = dataclasses.asdict(self)
+    d["shape"] = list(self.shape)
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict) -> TensorReport:
+    return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+def _ratio(a: int, b: int) -> float:
+  return a / b if b else math.inf
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  tensors: list[TensorReport]
+
+  def _sum(self, kinds=None) -> tuple[int, int]:
+    ts = [t for t in self.tensors if kinds is None or t.kind in kinds]
+    return sum(t.bytes_before for t in ts), sum(t.bytes_after for t in ts)
+
+  @property
+  def totals(self) -> dict:
+    before, after = self._sum()
+    lb, la = self._sum(("packed",))
+    packed = [t for t in self.tensors if t.kind == "packed"]
+    # Error over all packed tensors, weighted by element count (an RMS of relative errors).
+    n = sum(math.prod(t.shape) for t in packed)
+    rms = math.sqrt(sum(t.rel_error**2 * math.prod(t.shape) for t in packed) / n) if n else 0.0
+    return {
+      "tensors": len(self.tensors),
+      "packed_tensors": len(packed),
+      "bytes_before": before,
+      "bytes_after": after,
+      "ratio": _ratio(before, after),
+      "linear_bytes_before": lb,
+      "linear_bytes_after": la,
+      "linear_ratio": _ratio(lb, la),
+      "linear_rel_error_rms": rms,
+    }
+
+  def to_dict(self) -> dict:
+    return {"totals": self.totals, "tensors": [t.to_dict() for t in self.tensors]}
+
+  @classmethod
+  def from_dict(cls, d: dict) -> Report:
+    return cls([TensorReport.from_dict(t) for t in d["tensors"]])
+
+  def format(self, max_rows: int | None = 40) -> str:
+    """A plain-text table for terminals."""
+    rows = [f"{'tensor':<52} {'kind':<7} {'shape':<16} {'before':>10} {'after':>10} "
+            f"{'ratio':>7} {'rel.err':>8}"]
+    shown = self.tensors if max_rows is None else self.tensors[:max_rows]
+    for t in shown:
+      ratio = "inf" if math.isinf(t.ratio) else f"{t.ratio:.1f}x"
+      rows.append(f"{t.name[-52:]:<52} {t.kind:<7} {'x'.join(map(str, t.shape)):<16} "
+                  f"{_mb(t.bytes_before):>10} {_mb(t.bytes_after):>10} {ratio:>7} "
+                  f"{t.rel_error:>8.4f}")
+    if len(shown) < len(self.tensors):
+      rows.append(f"... {len(self.tensors) - len(shown)} more tensors")
+    tot = self.totals
+    rows.append(
+      f"total: {_mb(tot['bytes_before'])} -> {_mb(tot['bytes_after'])} ({tot['ratio']:.1f}x); "
+      f"linear layers: {_mb(tot['linear_bytes_before'])} -> {_mb(tot['linear_bytes_after'])} "
+      f"({tot['linear_ratio']:.1f}x), relative error (RMS) {tot['linear_rel_error_rms']:.4f}"
+    )
+    return "\n".join(rows)
+
+
+def _mb(n: int) -> str:
+  if n >= 1 << 30:
+    return f"{n / (1 << 30):.2f}G"
+  if n >= 1 << 20:
+    return f"{n / (1 << 20):.2f}M"
+  if n >= 1 << 10:
+    return f"{n / (1 << 10):.1f}K"
+  return f"{n}B"

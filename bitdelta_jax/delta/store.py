@@ -1,0 +1,287 @@
+"""The delta store: one directory per variant, arrays in tensorstore (zarr), plus manifest.json.
+
+    DELTA_DIR/
+      manifest.json               format version, base fingerprint, per-tensor layout, report
+      arrays/<tensor>/<field>/    zarr arrays (uncompressed, ≤64 MB chunks along axis 0)
+
+Writes are atomic: everything goes to a hidden sibling ``.NAME.tmp-<id>`` that is fsynced and
+renamed into place only after the manifest is written, so an interrupted write leaves nothing
+that loads as a variant. Every array's crc32 is in the manifest and checked on load.
+
+We write arrays with tensorstore directly (Orbax's own storage layer) rather than through an
+Orbax checkpointer because compression streams tensor by tensor and never holds the whole
+tree; the zarr arrays can still be read into any sharding chunk by chunk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from bitdelta_jax.delta.compress import Dense, DeltaMismatchError, Entry
+from bitdelta_jax.delta.format import LAYOUT, PackedDelta
+from bitdelta_jax.delta.report import Report
+
+FORMAT_NAME = "bitdelta-jax-delta"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+CHUNK_BYTES = 64 << 20
+_SAFE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
+
+
+class DeltaStoreError(ValueError):
+  """A delta directory is missing, corrupt, incompatible, or cannot be written."""
+
+
+def crc32(a: np.ndarray) -> int:
+  return zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)))
+
+
+def _ts_dtype(dtype: np.dtype) -> str:
+  dtype = np.dtype(dtype)
+  return "bfloat16" if dtype.name == "bfloat16" else dtype.str
+
+
+def _spec(path: Path, shape=None, dtype=None) -> dict:
+  spec: dict[str, Any] = {"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}
+  if shape is not None:
+    row = max(1, int(np.prod(shape[1:])) * np.dtype(dtype).itemsize) if len(shape) else 1
+    chunk0 = max(1, min(shape[0], CHUNK_BYTES // row)) if len(shape) else 1
+    chunks = [chunk0, *shape[1:]] if len(shape) else []
+    spec["metadata"] = {"shape": list(shape), "chunks": [max(1, c) for c in chunks],
+                        "dtype": _ts_dtype(dtype), "compressor": None}
+  return spec
+
+
+def write_array(path: Path, a: np.ndarray) -> dict:
+  a = np.ascontiguousarray(a)
+  t = ts.open(_spec(path, a.shape, a.dtype), create=True, delete_existing=True).result()
+  if a.size:
+    t.write(a).result()
+  return {"shape": list(a.shape), "dtype": a.dtype.name, "crc32": crc32(a)}
+
+
+def read_array(path: Path, meta: Mapping, *, verify: bool = True, index=None) -> np.ndarray:
+  """Reads one stored array (or ``index``, a tuple of slices, of it) and checks it."""
+  if not path.exists():
+    raise DeltaStoreError(f"{path}: array file is missing")
+  try:
+    t = ts.open(_spec(path), open=True).result()
+    if list(t.shape) != list(meta["shape"]):
+      raise DeltaStoreError(f"{path}: stored shape {list(t.shape)} != manifest {meta['shape']}")
+    a = (t if index is None else t[index]).read().result()
+  except DeltaStoreError:
+    raise
+  except Exception as e:  # tensorstore raises ValueError with the low-level reason
+    raise DeltaStoreError(f"{path}: corrupt or truncated array ({e})") from None
+  if verify and index is None and crc32(a) != meta["crc32"]:
+    raise DeltaStoreError(f"{path}: checksum mismatch: the array is corrupt")
+  return a
+
+
+def _fsync_tree(root: Path):
+  for dirpath, _, files in os.walk(root):
+    for f in files:
+      fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+      try:
+        os.fsync(fd)
+      finally:
+        os.close(fd)
+    fd = os.open(dirpath, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+
+
+class AtomicDir:
+  """A directory written under a temporary name and renamed into place on `commit`."""
+
+  def __init__(self, out: str | os.PathLike, *, overwrite: bool = False):
+    self.out = Path(out)
+    if self.out.exists() and not overwrite:
+      raise DeltaStoreError(f"{self.out}: output directory already exists (use --overwrite)")
+    self.out.parent.mkdir(parents=True, exist_ok=True)
+    self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    self.tmp.mkdir()
+    self.done = False
+
+  def commit(self):
+    _fsync_tree(self.tmp)
+    trash = None
+    if self.out.exists():
+      trash = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
+      os.rename(self.out, trash)
+    os.rename(self.tmp, self.out)
+    fd = os.open(self.out.parent, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    if trash is not None:
+      shutil.rmtree(trash, ignore_errors=True)
+    self.done = True
+
+  def abort(self):
+    if not self.done:
+      shutil.rmtree(self.tmp, ignore_errors=True)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, exc_type, *exc):
+    if exc_type is not None or not self.done:
+      self.abort()
+
+
+def _array_dir(root: Path, name: str) -> Path:
+  if not _SAFE.match(name) or ".." in name:
+    raise DeltaStoreError(f"tensor name {name!r} is not a safe file name")
+  return root / "arrays" / name
+
+
+class DeltaWriter(AtomicDir):
+  """Streams delta entries to a new delta directory; `finish` writes the manifest and commits."""
+
+  def __init__(self, out, *, overwrite: bool = False):
+    super().__init__(out, overwrite=overwrite)
+    self.tensors: dict[str, dict] = {}
+
+  def add(self, name: str, entry: Entry, hf_shape: Iterable[int] | None = None):
+    d = _array_dir(self.tmp, name)
+    if isinstance(entry, PackedDelta):
+      meta = {"kind": "packed", "shape": list(entry.shape), "group_k": entry.group_k,
+              "granularity": entry.granularity, "layout": entry.layout, "arrays": {
+                "bits": write_array(d / "bits", np.asarray(entry.bits)),
+                "scale": write_array(d / "scale", np.asarray(entry.scale, np.float32))}}
+    else:
+      arrays = {}
+      for field in ("value", "extra_rows"):
+        a = getattr(entry, field)
+        if a is not None:
+          arrays[field] = write_array(d / field, np.asarray(a))
+      meta = {"kind": entry.kind, "arrays": arrays}
+    if hf_shape is not None:
+      meta["hf_shape"] = list(hf_shape)
+    self.tensors[name] = meta
+
+  def finish(self, *, base_fingerprint: dict, report: Report, policy: dict,
+             extra: Mapping[str, Any] | None = None) -> dict:
+    manifest = {
+      "format": FORMAT_NAME,
+      "format_version": FORMAT_VERSION,
+      "layout": LAYOUT,
+      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+      "base": base_fingerprint,
+      "policy": policy,
+      "scales": {"method": "mean_abs", "note": "alpha = mean|delta| (L2-optimal)"},
+      "tensors": self.tensors,
+      "report": report.to_dict(),
+      **(extra or {}),
+    }
+    (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    self.commit()
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+  path = Path(path)
+  mf = path / MANIFEST
+  if not path.is_dir():
+    raise DeltaStoreError(f"{path}: no such delta directory")
+  if not mf.exists():
+    raise DeltaStoreError(f"{path}: not a delta directory ({MANIFEST} is missing)")
+  try:
+    m = json.loads(mf.read_text())
+  except json.JSONDecodeError as e:
+    raise DeltaStoreError(f"{mf}: corrupt manifest ({e})") from None
+  if m.get("format") != FORMAT_NAME:
+    raise DeltaStoreError(f"{mf}: not a bitdelta-jax delta manifest")
+  v = m.get("format_version")
+  if not isinstance(v, int) or v > FORMAT_VERSION:
+    raise DeltaStoreError(
+      f"{mf}: format version {v} is newer than this bitdelta-jax reads ({FORMAT_VERSION}); "
+      "upgrade bitdelta-jax"
+    )
+  if m.get("layout") != LAYOUT:
+    raise DeltaStoreError(f"{mf}: bit layout {m.get('layout')!r}, this version reads {LAYOUT!r}")
+  return m
+
+
+def load_entry(path: Path, name: str, meta: Mapping, *, verify: bool = True) -> Entry:
+  d = _array_dir(Path(path), name)
+  arrays = meta["arrays"]
+  for field in arrays:
+    if not (d / field).exists():
+      raise DeltaStoreError(f"{d / field}: array for tensor {name!r} is missing")
+  if meta["kind"] == "packed":
+    return PackedDelta(
+      bits=read_array(d / "bits", arrays["bits"], verify=verify),
+      scale=read_array(d / "scale", arrays["scale"], verify=verify),
+      shape=tuple(meta["shape"]), group_k=meta["group_k"], granularity=meta["granularity"],
+      layout=meta["layout"],
+    )
+  got = {f: read_array(d / f, m, verify=verify) for f, m in arrays.items()}
+  return Dense(meta["kind"], got.get("value"), got.get("extra_rows"))
+
+
+def load_delta(path: str | os.PathLike, *, base_fingerprint: dict | None = None,
+               verify: bool = True) -> tuple[dict[str, Entry], dict]:
+  """Loads a whole delta directory into host memory: ``({name: entry}, manifest)``.
+
+  ``base_fingerprint`` (from `fingerprint`) checks the delta was made for that base.
+  """
+  m = read_manifest(path)
+  if base_fingerprint is not None:
+    check_base(m, base_fingerprint, where=str(path))
+  return {n: load_entry(Path(path), n, meta, verify=verify) for n, meta in m["tensors"].items()}, m
+
+
+def save_delta(out: str | os.PathLike, delta: Mapping[str, Entry], *, base_fingerprint: dict,
+               report: Report, policy: dict, overwrite: bool = False,
+               extra: Mapping[str, Any] | None = None) -> dict:
+  """Writes an in-memory delta (a flat dict) atomically."""
+  with DeltaWriter(out, overwrite=overwrite) as w:
+    for name, entry in delta.items():
+      w.add(name, entry)
+    return w.finish(base_fingerprint=base_fingerprint, report=report, policy=policy, extra=extra)
+
+
+def fingerprint(tensors: Mapping[str, tuple[tuple[int, ...], str, int | None]]) -> dict:
+  """A base fingerprint from ``{name: (shape, dtype, crc32)}``; ``digest`` hashes it all."""
+  entries = {n: {"shape": list(s), "dtype": d, "crc32": c} for n, (s, d, c) in sorted(tensors.items())}
+  digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
+  return {"tensors": entries, "digest": digest}
+
+
+def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
+  """Raises `DeltaMismatchError` naming the first tensor where the base differs."""
+  want = manifest["base"]
+  if want.get("digest") == base_fp.get("digest"):
+    return
+  wt, bt = want["tensors"], base_fp["tensors"]
+  for n in wt:
+    if n not in bt:
+      raise DeltaMismatchError(f"{where} was made for a different base: tensor {n!r} is missing")
+    for key in ("shape", "dtype", "crc32"):
+      a, b = wt[n][key], bt[n][key]
+      if a is not None and b is not None and a != b:
+        raise DeltaMismatchError(
+          f"{where} was made for a different base: tensor {n!r} {key} is {b} in this base, "
+          f"{a} in the delta's base"
+        )
+  extra = sorted(set(bt) - set(wt))
+  if extra:
+    raise DeltaMismatchError(f"{where} was made for a different base: base has extra tensors {extra[:5]}")

@@ -1,0 +1,270 @@
+"""Streaming compression and materialisation of Hugging Face checkpoint directories.
+
+Peak memory is a few row-chunks (≤ `CHUNK_BYTES` each) plus the packed output of the tensor
+in hand (1/16 of it): a linear weight is read in blocks of output rows, each block is packed
+by one jitted kernel that also returns per-column Σ|Δ| and ΣΔ², and α and the error come
+from those sums at the end. Two whole models are never in memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from bitdelta_jax.delta.compress import CompressPolicy, Dense, DeltaMismatchError, apply_tensor
+from bitdelta_jax.delta.format import PackedDelta, _pack_bits, group_k_for
+from bitdelta_jax.delta.report import Report, TensorReport
+from bitdelta_jax.delta.store import (
+  AtomicDir, DeltaStoreError, DeltaWriter, check_base, crc32, fingerprint, load_entry, read_manifest,
+)
+from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
+
+CHUNK_BYTES = 32 << 20
+# Config fields that must agree between a base and a fine-tune (vocab_size may grow).
+_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
+
+
+def _rows_per_chunk(shape: tuple[int, ...], itemsize: int) -> int:
+  row = max(1, int(np.prod(shape[1:])) * itemsize)
+  return max(1, min(shape[0], CHUNK_BYTES // row))
+
+
+@functools.partial(jax.jit, static_argnames=("group_k",))
+def _linear_chunk(base_rows, ft_rows, *, group_k: int):
+  """HF rows ``[R, K]`` (R output features) → bits ``[K_pad/8, R]``, Σ|Δ| [R], ΣΔ² [R], changed."""
+  d = ft_rows.astype(jnp.float32) - base_rows.astype(jnp.float32)
+  k = d.shape[1]
+  bits = _pack_bits(d.T >= 0, k, group_k, jnp)
+  return bits, jnp.sum(jnp.abs(d), axis=1), jnp.sum(d * d, axis=1), jnp.any(ft_rows != base_rows)
+
+
+def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, policy, base_crc):
+  info = ft.info(name)
+  n, k = info.shape
+  g = group_k_for(k, policy.group_k)
+  r = _rows_per_chunk(info.shape, 4)
+  bits = np.empty((math.ceil(k / g) * g // 8, n), np.uint8)
+  abs_sum = np.empty(n, np.float64)
+  sq_sum = np.empty(n, np.float64)
+  changed = False
+  for r0 in range(0, n, r):
+    b, f = base.read_rows(name, r0, r0 + r), ft.read_rows(name, r0, r0 + r)
+    base_crc.update(b)
+    rows = b.shape[0]
+    if rows < r:  # pad the last block so every block compiles to one shape
+      pad = ((0, r - rows), (0, 0))
+      b, f = np.pad(b, pad), np.pad(f, pad)
+    cb, ca, cs, cc = _linear_chunk(b, f, group_k=g)
+    bits[:, r0:r0 + rows] = np.asarray(cb)[:, :rows]
+    abs_sum[r0:r0 + rows] = np.asarray(ca)[:rows]
+    sq_sum[r0:r0 + rows] = np.asarray(cs)[:rows]
+    changed |= bool(cc)
+  before = info.nbytes
+  if not changed:
+    return Dense("same"), TensorReport(name, "same", info.shape, info.dtype.name, before, 0, 0.0)
+  if policy.granularity == "matrix":
+    scale = np.array([abs_sum.sum() / (k * n)], np.float32)
+    err2 = sq_sum.sum() - abs_sum.sum() ** 2 / (k * n)
+  else:
+    scale = (abs_sum / k).astype(np.float32)
+    err2 = float(np.sum(sq_sum - abs_sum**2 / k))
+  total = sq_sum.sum()
+  rel = math.sqrt(max(err2, 0.0) / total) if total > 0 else 0.0
+  pd = PackedDelta(bits=bits, scale=scale, shape=(k, n), group_k=g, granularity=policy.granularity)
+  return pd, TensorReport(name, "packed", info.shape, info.dtype.name, before, pd.nbytes, rel)
+
+
+class _Crc:
+  def __init__(self):
+    self.value = 0
+
+  def update(self, a: np.ndarray):
+    import zlib
+
+    self.value = zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), self.value)
+
+
+def _read_config(d: Path) -> dict:
+  p = Path(d) / "config.json"
+  if not p.exists():
+    return {}
+  try:
+    return json.loads(p.read_text())
+  except json.JSONDecodeError as e:
+    raise DeltaMismatchError(f"{p}: malformed config.json ({e})") from None
+
+
+def check_pair(base: CheckpointReader, ft: CheckpointReader, policy: CompressPolicy):
+  """Header-only checks, before any work: names, shapes and architecture agree."""
+  bc, fc = _read_config(base.path), _read_config(ft.path)
+  for key in _ARCH_FIELDS:
+    if key in bc and key in fc and bc[key] != fc[key]:
+      raise DeltaMismatchError(
+        f"architecture mismatch: config.json field {key!r} is {bc[key]!r} in {base.path} "
+        f"but {fc[key]!r} in {ft.path}"
+      )
+  missing = [n for n in base.names() if n not in ft]
+  if missing:
+    raise DeltaMismatchError(f"{ft.path}: fine-tune lacks base tensor(s) {missing[:5]}")
+  for n in base.names():
+    bs, fs = base.info(n).shape, ft.info(n).shape
+    if bs != fs:
+      grown = (policy.is_vocab(n) and len(bs) == len(fs) and bs[1:] == fs[1:] and fs[0] > bs[0])
+      if not grown:
+        raise DeltaMismatchError(
+          f"shape mismatch for tensor {n!r}: {list(bs)} in {base.path}, {list(fs)} in {ft.path}"
+        )
+
+
+def compress_checkpoints(
+  base_dir, ft_dir, out_dir, policy: CompressPolicy = CompressPolicy(), *, overwrite: bool = False,
+  progress: bool = True, extra: dict | None = None,
+) -> dict:
+  """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest."""
+  with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
+    check_pair(base, ft, policy)
+    lines, fp = [], {}
+    with DeltaWriter(out_dir, overwrite=overwrite) as w:
+      names = ft.names()
+      bar = tqdm(names, desc="compress", unit="tensor", disable=not progress)
+      for name in bar:
+        info = ft.info(name)
+        crc = _Crc()
+        if name not in base:
+          entry = Dense("value", ft.read(name))
+          line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
+                              entry.nbytes, 0.0, note="not in base")
+        elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
+          entry, line = _compress_linear_stream(name, base, ft, policy, crc)
+        else:
+          from bitdelta_jax.delta.compress import compress_tensor
+
+          b = base.read(name)
+          crc.update(b)
+          entry, line = compress_tensor(name, b, ft.read(name), policy, hf_layout=True)
+          del b
+        if name in base:
+          bi = base.info(name)
+          fp[name] = (bi.shape, bi.dtype.name, crc.value)
+        w.add(name, entry, hf_shape=info.shape)
+        lines.append(line)
+      for name in base.names():  # base tensors are all in ft (checked); fingerprint complete
+        assert name in fp
+      report = Report(lines)
+      src = {"base_path": str(Path(base_dir).resolve()), "finetuned_path": str(Path(ft_dir).resolve())}
+      cfg = _read_config(ft.path)
+      return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
+                      extra={"source": src, "finetuned_config": cfg, **(extra or {})})
+
+
+def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
+  """The fingerprint of an HF base directory (reads every tensor when ``content``)."""
+  with CheckpointReader(base_dir) as r:
+    ent = {}
+    for n in r.names():
+      t = r.info(n)
+      c = None
+      if content:
+        crc = _Crc()
+        step = _rows_per_chunk(t.shape or (1,), t.dtype.itemsize)
+        for r0 in range(0, (t.shape or (1,))[0], step):
+          crc.update(r.read_rows(n, r0, r0 + step))
+        c = crc.value
+      ent[n] = (t.shape, t.dtype.name, c)
+  return fingerprint(ent)
+
+
+_COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+
+
+def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
+                     progress: bool = True, max_shard_bytes: int = 4 << 30,
+                     on_tensor: Callable[[str], None] | None = None) -> Path:
+  """Writes ``W_base + α·S`` (and the kept tensors) as an HF checkpoint transformers can load.
+
+  The base is verified tensor by tensor against the delta's fingerprint as it is read.
+  """
+  manifest = read_manifest(delta_dir)
+  delta_dir = Path(delta_dir)
+  with CheckpointReader(base_dir) as base:
+    # Cheap structural check first (names, shapes, dtypes); content crc is checked per tensor.
+    structural = fingerprint({n: (base.info(n).shape, base.info(n).dtype.name, None)
+                              for n in base.names()})
+    check_base(manifest, structural, where=str(delta_dir))
+    tensors = manifest["tensors"]
+    out_specs = {}
+    for n, meta in tensors.items():
+      shape = tuple(meta.get("hf_shape") or base.info(n).shape)
+      dtype = base.info(n).dtype if n in base else None
+      if meta["kind"] in ("value",) or dtype is None:
+        dtype = np.dtype(_np_dtype(meta["arrays"]["value"]["dtype"]))
+      out_specs[n] = (shape, dtype)
+    shards, size = [[]], 0
+    for n, (shape, dtype) in out_specs.items():
+      nb = int(np.prod(shape)) * np.dtype(dtype).itemsize
+      if shards[-1] and size + nb > max_shard_bytes:
+        shards.append([])
+        size = 0
+      shards[-1].append(n)
+      size += nb
+    with AtomicDir(out_dir, overwrite=overwrite) as out:
+      bar = tqdm(total=len(out_specs), desc="apply", unit="tensor", disable=not progress)
+      weight_map = {}
+      for i, names in enumerate(shards):
+        fname = ("model.safetensors" if len(shards) == 1
+                 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors")
+        with SafetensorsWriter(out.tmp / fname, {n: out_specs[n] for n in names},
+                               {"format": "pt"}) as sw:
+          for n in names:
+            entry = load_entry(delta_dir, n, tensors[n])
+            if n in base:
+              b = base.read(n)
+              want = manifest["base"]["tensors"][n]["crc32"]
+              if want is not None and crc32(b) != want:
+                raise DeltaMismatchError(
+                  f"{delta_dir} was made for a different base: tensor {n!r} content differs "
+                  f"(crc32 {crc32(b)} vs {want})"
+                )
+              w = apply_tensor(n, b, entry, hf_layout=True)
+            elif isinstance(entry, Dense) and entry.kind == "value":
+              w = entry.value
+            else:
+              raise DeltaStoreError(f"{delta_dir}: tensor {n!r} needs a base tensor")
+            sw.write(n, w)
+            weight_map[n] = fname
+            bar.update(1)
+            if on_tensor:
+              on_tensor(n)
+      bar.close()
+      if len(shards) > 1:
+        total = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in out_specs.values())
+        (out.tmp / "model.safetensors.index.json").write_text(
+          json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+      cfg = manifest.get("finetuned_config") or {}
+      for f in _COPY_FILES:
+        src = Path(base_dir) / f
+        if f == "config.json" and cfg:
+          (out.tmp / f).write_text(json.dumps(cfg, indent=2))
+        elif src.exists():
+          shutil.copy2(src, out.tmp / f)
+      out.commit()
+  return Path(out_dir)
+
+
+def _np_dtype(name: str):
+  if name == "bfloat16":
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+  return np.dtype(name)
