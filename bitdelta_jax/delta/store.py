@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from bitdelta_jax.delta.compress import Dense, DeltaMismatchError, Entry
+from bitdelta_jax.delta.compress import DeltaMismatchError, Dense, Entry
 from bitdelta_jax.delta.format import LAYOUT, PackedDelta
 from bitdelta_jax.delta.report import Report
 

@@ -8,10 +8,12 @@ from those sums at the end. Two whole models are never in memory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import shutil
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,11 +22,24 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from bitdelta_jax.delta.compress import CompressPolicy, Dense, DeltaMismatchError, apply_tensor
+from bitdelta_jax.delta.compress import (
+  CompressPolicy,
+  DeltaMismatchError,
+  Dense,
+  apply_tensor,
+  compress_tensor,
+)
 from bitdelta_jax.delta.format import PackedDelta, _pack_bits, group_k_for
 from bitdelta_jax.delta.report import Report, TensorReport
 from bitdelta_jax.delta.store import (
-  AtomicDir, DeltaStoreError, DeltaWriter, check_base, crc32, fingerprint, load_entry, read_manifest,
+  AtomicDir,
+  DeltaStoreError,
+  DeltaWriter,
+  check_base,
+  crc32,
+  fingerprint,
+  load_entry,
+  read_manifest,
 )
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
@@ -89,8 +104,6 @@ class _Crc:
     self.value = 0
 
   def update(self, a: np.ndarray):
-    import zlib
-
     self.value = zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), self.value)
 
 
@@ -136,30 +149,26 @@ def compress_checkpoints(
     lines, fp = [], {}
     with DeltaWriter(out_dir, overwrite=overwrite) as w:
       names = ft.names()
-      bar = tqdm(names, desc="compress", unit="tensor", disable=not progress)
-      for name in bar:
-        info = ft.info(name)
-        crc = _Crc()
-        if name not in base:
-          entry = Dense("value", ft.read(name))
-          line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
-                              entry.nbytes, 0.0, note="not in base")
-        elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
-          entry, line = _compress_linear_stream(name, base, ft, policy, crc)
-        else:
-          from bitdelta_jax.delta.compress import compress_tensor
-
-          b = base.read(name)
-          crc.update(b)
-          entry, line = compress_tensor(name, b, ft.read(name), policy, hf_layout=True)
-          del b
-        if name in base:
-          bi = base.info(name)
-          fp[name] = (bi.shape, bi.dtype.name, crc.value)
-        w.add(name, entry, hf_shape=info.shape)
-        lines.append(line)
-      for name in base.names():  # base tensors are all in ft (checked); fingerprint complete
-        assert name in fp
+      with tqdm(names, desc="compress", unit="tensor", disable=not progress) as bar:
+        for name in bar:
+          info = ft.info(name)
+          crc = _Crc()
+          if name not in base:
+            entry = Dense("value", ft.read(name))
+            line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
+                                entry.nbytes, 0.0, note="not in base")
+          elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
+            entry, line = _compress_linear_stream(name, base, ft, policy, crc)
+          else:
+            b = base.read(name)
+            crc.update(b)
+            entry, line = compress_tensor(name, b, ft.read(name), policy, hf_layout=True)
+            del b
+          if name in base:
+            bi = base.info(name)
+            fp[name] = (bi.shape, bi.dtype.name, crc.value)
+          w.add(name, entry, hf_shape=info.shape)
+          lines.append(line)
       report = Report(lines)
       src = {"base_path": str(Path(base_dir).resolve()), "finetuned_path": str(Path(ft_dir).resolve())}
       cfg = _read_config(ft.path)
@@ -203,6 +212,10 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
                               for n in base.names()})
     check_base(manifest, structural, where=str(delta_dir))
     tensors = manifest["tensors"]
+    for n, meta in tensors.items():  # fail before writing anything if an array is missing
+      for field in meta["arrays"]:
+        if not (delta_dir / "arrays" / n / field).exists():
+          raise DeltaStoreError(f"{delta_dir / 'arrays' / n / field}: array for tensor {n!r} is missing")
     out_specs = {}
     for n, meta in tensors.items():
       shape = tuple(meta.get("hf_shape") or base.info(n).shape)
@@ -218,8 +231,9 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
         size = 0
       shards[-1].append(n)
       size += nb
-    with AtomicDir(out_dir, overwrite=overwrite) as out:
+    with AtomicDir(out_dir, overwrite=overwrite) as out, contextlib.ExitStack() as stack:
       bar = tqdm(total=len(out_specs), desc="apply", unit="tensor", disable=not progress)
+      stack.callback(bar.close)
       weight_map = {}
       for i, names in enumerate(shards):
         fname = ("model.safetensors" if len(shards) == 1
@@ -246,7 +260,6 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
             bar.update(1)
             if on_tensor:
               on_tensor(n)
-      bar.close()
       if len(shards) > 1:
         total = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in out_specs.values())
         (out.tmp / "model.safetensors.index.json").write_text(

@@ -1,0 +1,33 @@
+"""A short description of the machine, saved beside every benchmark result."""
+
+import os
+import platform
+
+
+def describe() -> dict:
+  cpu = "unknown"
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  mem = None
+  try:
+    for line in open("/proc/meminfo"):
+      if line.startswith("MemTotal"):
+        mem = round(int(line.split()[1]) / 1024 / 1024, 1)
+  except OSError:
+    pass
+  out = {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
+         "platform": platform.platform()}
+  try:
+    import jax
+
+    out["jax"] = jax.__version__
+    out["backend"] = jax.default_backend()
+    out["devices"] = [str(d) for d in jax.devices()]
+  except Exception:  # noqa: BLE001 - describing the machine must never fail a bench
+    pass
+  return out
