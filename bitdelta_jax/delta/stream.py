@@ -56,11 +56,22 @@ def _rows_per_chunk(shape: tuple[int, ...], itemsize: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("group_k",))
 def _linear_chunk(base_rows, ft_rows, *, group_k: int):
-  """HF rows ``[R, K]`` (R output features) → bits ``[K_pad/8, R]``, Σ|Δ| [R], ΣΔ² [R], changed."""
+  """HF rows ``[R, K]`` (R output features) → bits ``[K_pad/8, R]``, Σ|Δ| [R], ΣΔ² [R], changed.
+
+  Packs along the contiguous K axis of the HF rows and transposes only the packed result
+  (1/16 of the data): transposing the f32 delta first costs ~1.6x more on CPU.
+  """
   d = ft_rows.astype(jnp.float32) - base_rows.astype(jnp.float32)
-  k = d.shape[1]
-  bits = _pack_bits(d.T >= 0, k, group_k, jnp)
-  return bits, jnp.sum(jnp.abs(d), axis=1), jnp.sum(d * d, axis=1), jnp.any(ft_rows != base_rows)
+  r, k = d.shape
+  k_pad = -(-k // group_k) * group_k
+  pos = d >= 0
+  if k_pad != k:
+    pos = jnp.pad(pos, ((0, 0), (0, k_pad - k)))
+  planes = pos.astype(jnp.uint8).reshape(r, k_pad // group_k, 8, group_k // 8)
+  weights = (jnp.uint8(1) << jnp.arange(8, dtype=jnp.uint8)).reshape(1, 1, 8, 1)
+  packed = jnp.sum(planes * weights, axis=2, dtype=jnp.uint8).reshape(r, k_pad // 8)
+  return (packed.T, jnp.sum(jnp.abs(d), axis=1), jnp.sum(d * d, axis=1),
+          jnp.any(ft_rows != base_rows))
 
 
 def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, policy, base_crc):
@@ -72,6 +83,16 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
   abs_sum = np.empty(n, np.float64)
   sq_sum = np.empty(n, np.float64)
   changed = False
+  pending = None
+
+  def collect(r0, rows, out):
+    cb, ca, cs, cc = out
+    bits[:, r0:r0 + rows] = np.asarray(cb)[:, :rows]
+    abs_sum[r0:r0 + rows] = np.asarray(ca)[:rows]
+    sq_sum[r0:r0 + rows] = np.asarray(cs)[:rows]
+    return bool(cc)
+
+  # Dispatch is asynchronous: the next block is read and checksummed while XLA packs this one.
   for r0 in range(0, n, r):
     b, f = base.read_rows(name, r0, r0 + r), ft.read_rows(name, r0, r0 + r)
     base_crc.update(b)
@@ -79,11 +100,12 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
     if rows < r:  # pad the last block so every block compiles to one shape
       pad = ((0, r - rows), (0, 0))
       b, f = np.pad(b, pad), np.pad(f, pad)
-    cb, ca, cs, cc = _linear_chunk(b, f, group_k=g)
-    bits[:, r0:r0 + rows] = np.asarray(cb)[:, :rows]
-    abs_sum[r0:r0 + rows] = np.asarray(ca)[:rows]
-    sq_sum[r0:r0 + rows] = np.asarray(cs)[:rows]
-    changed |= bool(cc)
+    out = _linear_chunk(b, f, group_k=g)
+    if pending is not None:
+      changed |= collect(*pending)
+    pending = (r0, rows, out)
+  if pending is not None:
+    changed |= collect(*pending)
   before = info.nbytes
   if not changed:
     return Dense("same"), TensorReport(name, "same", info.shape, info.dtype.name, before, 0, 0.0)
