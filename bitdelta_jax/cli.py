@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
 
   args = build_parser().parse_args(argv)
   try:
-    return args.fn(args)
-  except (DeltaMismatchError, DeltaStoreError, CheckpointError, FileNotFoundError) as e:
+    fn = getattr(args, "fn", None) or args.func
+    return fn(args)
+  except (DeltaMismatchError, DeltaStoreError, CheckpointError, ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
 

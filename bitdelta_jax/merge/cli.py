@@ -1,0 +1,327 @@
+"""``bitdelta merge <method>``: merge HF safetensors checkpoints tensor by tensor.
+
+Only one tensor (times the number of models) is in memory at a time; the output keeps the base's
+shard layout and index, takes config.json / tokenizer files from the base, is written into a
+temporary sibling directory and renamed into place. OPCM needs the global norm of its merged
+update, so it runs two passes: the unnormalised update S goes to a float32 scratch file first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from bitdelta_jax.hf.safetensors_io import (
+  INDEX_FILE,
+  CheckpointError,
+  CheckpointReader,
+  SafetensorsWriter,
+)
+from bitdelta_jax.merge.baselines import (
+  linear_tensor,
+  per_model,
+  task_arithmetic_family_tensor,
+  tensor_key,
+)
+from bitdelta_jax.merge.monosoup import monosoup_tensor
+from bitdelta_jax.merge.opcm import default_projects, project_task_vector
+from bitdelta_jax.merge.soups import svd_soup_tensor
+
+METHODS = (
+  "linear",
+  "task-arithmetic",
+  "ties",
+  "dare-linear",
+  "dare-ties",
+  "monosoup",
+  "svd-soup",
+  "opcm",
+)
+# mergekit defaults: (sparsify, consensus, default normalize, default rescale)
+_GTA = {
+  "task-arithmetic": (None, None, False, False),
+  "ties": ("magnitude", "sum", True, False),
+  "dare-linear": ("random", None, False, True),
+  "dare-ties": ("random", "sum", False, True),
+}
+_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
+MERGE_INFO = "bitdelta_merge.json"
+
+
+def add_merge_parser(subparsers) -> argparse.ArgumentParser:
+  """Adds the ``merge`` sub-command; its handler is ``args.func = run_merge``."""
+  p = subparsers.add_parser(
+    "merge",
+    help="merge fine-tuned HF checkpoints (streaming, tensor by tensor)",
+    description="Merge HF safetensors checkpoints. Parameter names follow mergekit; see "
+    "docs/MERGING.md.",
+  )
+  p.add_argument(
+    "method",
+    choices=METHODS + tuple(m.replace("-", "_") for m in METHODS if "-" in m),
+    metavar="METHOD",
+    help=" | ".join(METHODS),
+  )
+  p.add_argument("--base", help="base (pre-trained) checkpoint dir; optional for linear")
+  p.add_argument("--models", nargs="+", required=True, help="fine-tuned checkpoint dirs")
+  p.add_argument("--weights", nargs="+", type=float, help="one weight per model (default 1)")
+  p.add_argument(
+    "--density",
+    nargs="+",
+    type=float,
+    help="fraction kept (ties/dare); one value or one per model (default 1)",
+  )
+  p.add_argument(
+    "--lambda",
+    dest="lambda_",
+    metavar="LAMBDA",
+    type=float,
+    default=1.0,
+    help="scale of the mixed task vector (task arithmetic family)",
+  )
+  p.add_argument(
+    "--normalize",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="divide by the sum of weights (default: mergekit's per-method default)",
+  )
+  p.add_argument(
+    "--rescale",
+    action=argparse.BooleanOptionalAction,
+    default=None,
+    help="DARE: rescale kept entries by 1/density (default on)",
+  )
+  p.add_argument("--consensus", choices=("sum", "count"), default="sum", help="TIES sign election")
+  p.add_argument("--seed", type=int, default=0, help="DARE drop seed")
+  p.add_argument("--rank", type=int, help="svd-soup truncation rank")
+  p.add_argument(
+    "--mode",
+    choices=("freevariance", "variance"),
+    default="freevariance",
+    help="monosoup split rule",
+  )
+  p.add_argument("--energy", type=float, default=0.8, help="monosoup 'variance' energy")
+  p.add_argument("--alpha", type=float, default=0.5, help="opcm projection split threshold")
+  p.add_argument("--dtype", choices=tuple(_DTYPES), help="output float dtype (default: base's)")
+  p.add_argument("--out", required=True, help="output checkpoint dir")
+  p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+  p.set_defaults(func=run_merge)
+  return p
+
+
+def _is_float(dtype) -> bool:
+  return np.issubdtype(dtype, np.floating) or dtype == np.dtype(jnp.bfloat16)
+
+
+def _validate(method: str, args) -> None:
+  for attr in ("weights", "density"):  # one value applies to every model
+    v = getattr(args, attr)
+    if v is not None and len(v) == 1:
+      setattr(args, attr, v[0])
+  if method != "linear" and not args.base:
+    raise SystemExit(f"bitdelta merge {method}: --base is required")
+  if method == "monosoup" and len(args.models) != 1:
+    raise SystemExit("bitdelta merge monosoup: takes exactly one fine-tuned model (--models)")
+  if method == "svd-soup" and (args.rank is None or args.rank < 1):
+    raise SystemExit("bitdelta merge svd-soup: --rank N (>= 1) is required")
+  n = len(args.models)
+  try:
+    per_model(args.weights, n, "--weights")
+    per_model(args.density, n, "--density")
+  except ValueError as e:
+    raise SystemExit(f"bitdelta merge {method}: {e}") from None
+
+
+def _tensor_fn(method: str, args) -> Callable:
+  """fn(name, base, models) -> float32 merged tensor, for float tensors."""
+  n = len(args.models)
+  w = jnp.asarray([1.0 if x is None else x for x in per_model(args.weights, n, "w")], jnp.float32)
+  if method == "linear":
+    normalize = True if args.normalize is None else args.normalize
+    return lambda name, b, xs: linear_tensor(jnp.stack(xs), w, normalize)
+  if method in _GTA:
+    sparsify, consensus, dnorm, drescale = _GTA[method]
+    normalize = dnorm if args.normalize is None else args.normalize
+    rescale = drescale if args.rescale is None else args.rescale
+    dens = None
+    if sparsify is not None:
+      dens = tuple(1.0 if d is None else float(d) for d in per_model(args.density, n, "d"))
+    cons = args.consensus if consensus else None
+
+    def gta(name, b, xs):
+      key = tensor_key(args.seed, name) if sparsify == "random" else None
+      return task_arithmetic_family_tensor(
+        b,
+        jnp.stack(xs),
+        w,
+        key,
+        args.lambda_,
+        densities=dens,
+        sparsify=sparsify,
+        consensus=cons,
+        normalize=normalize,
+        rescale=rescale,
+      )
+
+    return gta
+  if method == "monosoup":
+    return lambda name, b, xs: (
+      monosoup_tensor(b, xs[0], args.mode, args.energy) if b.ndim == 2 else xs[0]
+    )
+  if method == "svd-soup":
+    return lambda name, b, xs: svd_soup_tensor(b, jnp.stack(xs), args.rank)
+  raise AssertionError(method)
+
+
+def _layout(reader: CheckpointReader) -> dict[str, list[str]]:
+  files: dict[str, list[str]] = {}
+  for name in reader.names():
+    files.setdefault(reader.info(name).file.name, []).append(name)
+  return files
+
+
+def _read_all(readers, name, shape) -> list[np.ndarray]:
+  out = []
+  for r in readers:
+    if name not in r:
+      raise CheckpointError(f"{r.path}: lacks tensor {name!r} that the base has")
+    info = r.info(name)
+    if info.shape != shape:
+      raise CheckpointError(
+        f"{r.path}: tensor {name!r} has shape {list(info.shape)}, the base {list(shape)}"
+      )
+    out.append(r.read(name, copy=False))
+  return out
+
+
+def run_merge(args) -> int:
+  method = args.method.replace("_", "-")
+  _validate(method, args)
+  out = Path(args.out)
+  if out.exists() and not args.overwrite:
+    raise SystemExit(f"bitdelta merge: {out} exists (pass --overwrite to replace it)")
+  base_dir = Path(args.base or args.models[0])
+  base = CheckpointReader(base_dir)
+  models = [CheckpointReader(m) for m in args.models]
+  tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+  if tmp.exists():
+    shutil.rmtree(tmp)
+  tmp.mkdir(parents=True)
+  try:
+    layout = _layout(base)
+    out_dtype = {}
+    for name in base.names():
+      dt = base.info(name).dtype
+      out_dtype[name] = np.dtype(_DTYPES[args.dtype]) if args.dtype and _is_float(dt) else dt
+    if method == "opcm":
+      _run_opcm(base, models, layout, out_dtype, tmp, args.alpha)
+    else:
+      fn = _tensor_fn(method, args)
+      for fname, names in layout.items():
+        specs = {n: (base.info(n).shape, out_dtype[n]) for n in names}
+        with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as writer:
+          for name in names:
+            b = base.read(name, copy=False)
+            xs = _read_all(models, name, b.shape)
+            if _is_float(b.dtype):
+              merged = np.asarray(fn(name, jnp.asarray(b), [jnp.asarray(x) for x in xs]))
+            else:  # integer buffers are not merged
+              merged = b if args.base else xs[0]
+            writer.write(name, merged.astype(out_dtype[name]))
+    _finish(base_dir, tmp, layout, base, out_dtype, method, args)
+    for r in (base, *models):
+      r.close()
+    if out.exists():
+      old = out.with_name(f".{out.name}.old-{os.getpid()}")
+      out.rename(old)
+      tmp.rename(out)
+      shutil.rmtree(old)
+    else:
+      tmp.rename(out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  n = sum(len(v) for v in layout.values())
+  print(
+    f"bitdelta merge {method}: {n} tensors from {len(models)} model(s) -> {out}", file=sys.stderr
+  )
+  return 0
+
+
+def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
+  scratch = tmp / ".opcm-scratch.safetensors"
+  names = [n for ns in layout.values() for n in ns]
+  floats = [n for n in names if _is_float(base.info(n).dtype)]
+  tv_sq = np.zeros(len(models))
+  s_sq = 0.0
+  specs = {n: (base.info(n).shape, np.float32) for n in floats}
+  with SafetensorsWriter(scratch, specs) as writer:  # pass 1: S per tensor
+    for name in floats:
+      b = jnp.asarray(base.read(name, copy=False), jnp.float32)
+      xs = _read_all(models, name, b.shape)
+      acc = None
+      for i, x in enumerate(xs):
+        tv = jnp.asarray(x, jnp.float32) - b
+        tv_sq[i] += float(jnp.sum(tv * tv))
+        if acc is None:
+          acc = tv
+        elif default_projects(name, tv):
+          acc = acc + project_task_vector(acc, tv, alpha)
+        else:
+          acc = acc + tv
+      s_sq += float(jnp.sum(acc * acc))
+      writer.write(name, np.asarray(acc))
+  s_norm = np.sqrt(s_sq)
+  scale = float(np.sqrt(tv_sq).mean() / s_norm) if s_norm > 0 else 0.0
+  with CheckpointReader(scratch) as acc_reader:  # pass 2: θ_0 + S · mean‖τ‖ / ‖S‖
+    for fname, fnames in layout.items():
+      specs = {n: (base.info(n).shape, out_dtype[n]) for n in fnames}
+      with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as writer:
+        for name in fnames:
+          b = base.read(name, copy=False)
+          if name in acc_reader:
+            merged = b.astype(np.float32) + scale * acc_reader.read(name, copy=False)
+          else:
+            merged = b
+          writer.write(name, merged.astype(out_dtype[name]))
+  scratch.unlink()
+
+
+def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) -> None:
+  if (base_dir / INDEX_FILE).exists() or len(layout) > 1:
+    weight_map = {n: f for f, ns in layout.items() for n in ns}
+    total = sum(
+      int(np.prod(base.info(n).shape)) * np.dtype(out_dtype[n]).itemsize for n in weight_map
+    )
+    (tmp / INDEX_FILE).write_text(
+      json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+    )
+  if base_dir.is_dir():
+    for f in base_dir.iterdir():
+      if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, MERGE_INFO):
+        shutil.copy2(f, tmp / f.name)
+  info = {
+    "method": method,
+    "base": args.base,
+    "models": list(args.models),
+    "weights": args.weights,
+    "density": args.density,
+    "lambda": args.lambda_,
+    "normalize": args.normalize,
+    "rescale": args.rescale,
+    "consensus": args.consensus,
+    "seed": args.seed,
+    "rank": args.rank,
+    "mode": args.mode,
+    "energy": args.energy,
+    "alpha": args.alpha,
+  }
+  (tmp / MERGE_INFO).write_text(json.dumps(info, indent=2))

@@ -1,0 +1,166 @@
+"""Task-arithmetic-family merges against independent numpy oracles (mergekit semantics)."""
+
+import jax
+import numpy as np
+import pytest
+
+from bitdelta_jax import merge as M
+
+RNG = np.random.default_rng(0)
+SHAPES = {"layer.w": (12, 10), "layer.b": (10,), "emb": (7, 5)}
+
+
+def _trees(n=3, scale=0.1):
+  base = {k: RNG.normal(size=s).astype(np.float32) for k, s in SHAPES.items()}
+  models = [
+    {k: v + scale * RNG.normal(size=v.shape).astype(np.float32) for k, v in base.items()}
+    for _ in range(n)
+  ]
+  return base, models
+
+
+def np_trim(d, density):
+  if density >= 1:
+    return d
+  k = max(1, int(density * d.size))
+  keep = np.argsort(-np.abs(d).ravel(), kind="stable")[:k]
+  m = np.zeros(d.size, bool)
+  m[keep] = True
+  return np.where(m.reshape(d.shape), d, 0)
+
+
+def np_gta(base, xs, w, *, consensus, normalize, lam=1.0):
+  """mergekit GTATask.execute on already-sparsified deltas (float64)."""
+  d = np.stack(xs).astype(np.float64)
+  w = np.asarray(w, np.float64).reshape((-1,) + (1,) * (d.ndim - 1))
+  wd = d * w
+  if consensus:
+    mass = wd.sum(0) if consensus == "sum" else np.sign(wd).sum(0)
+    majority = np.where(mass >= 0, 1.0, -1.0)
+    mask = np.sign(wd) == majority
+    mixed = (wd * mask).sum(0)
+    div = (w * mask).sum(0)
+    div[div == 0] = 1
+  else:
+    mixed = wd.sum(0)
+    div = w.sum()
+    div = 1.0 if abs(div) < 1e-8 else div
+  if normalize:
+    mixed = mixed / div
+  return base + lam * mixed
+
+
+def close(a, b, tol=1e-5):
+  np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear(normalize):
+  _, models = _trees()
+  w = [0.5, 0.2, 1.3]
+  out = M.linear(models, w, normalize=normalize)
+  for k in SHAPES:
+    ref = sum(wi * m[k].astype(np.float64) for wi, m in zip(w, models))
+    close(out[k], ref / (sum(w) if normalize else 1.0))
+
+
+def test_linear_default_is_the_mean():
+  _, models = _trees()
+  out = M.linear(models)
+  for k in SHAPES:
+    close(out[k], np.mean([m[k] for m in models], 0))
+
+
+@pytest.mark.parametrize("normalize,lam", [(False, 1.0), (True, 0.7), (False, 0.3)])
+def test_task_arithmetic(normalize, lam):
+  base, models = _trees()
+  w = [1.0, -0.5, 2.0]
+  out = M.task_arithmetic(base, models, w, lambda_=lam, normalize=normalize)
+  for k in SHAPES:
+    ref = np_gta(
+      base[k], [m[k] - base[k] for m in models], w, consensus=None, normalize=normalize, lam=lam
+    )
+    close(out[k], ref)
+
+
+def test_magnitude_mask_keeps_top_k():
+  d = RNG.normal(size=(9, 11)).astype(np.float32)
+  m = np.asarray(M.magnitude_mask(d, 0.3))
+  assert m.sum() == int(0.3 * d.size)
+  assert np.abs(d[m]).min() >= np.abs(d[~m]).max()
+
+
+@pytest.mark.parametrize("density", [0.2, [0.5, 0.3, 0.9]])
+@pytest.mark.parametrize("consensus", ["sum", "count"])
+def test_ties(density, consensus):
+  base, models = _trees()
+  w = [1.0, 0.6, 0.8]
+  out = M.ties(base, models, density=density, weights=w, lambda_=0.9, consensus=consensus)
+  dens = density if isinstance(density, list) else [density] * 3
+  for k in SHAPES:
+    trimmed = [np_trim(m[k] - base[k], dn) for m, dn in zip(models, dens)]
+    ref = np_gta(base[k], trimmed, w, consensus=consensus, normalize=True, lam=0.9)
+    close(out[k], ref)
+
+
+def test_ties_opposing_signs_are_disjoint_mean():
+  base = {"w": np.zeros((2, 2), np.float32)}
+  a = {"w": np.array([[1.0, -1.0], [2.0, 0.0]], np.float32)}
+  b = {"w": np.array([[3.0, 0.5], [-1.0, 0.0]], np.float32)}
+  out = np.asarray(M.ties(base, [a, b], density=1.0)["w"])
+  # [0,0]: both +, mean 2. [0,1]: mass -0.5 -> '-', only a. [1,0]: mass +1 -> '+', only a.
+  # [1,1]: nobody -> 0.
+  np.testing.assert_allclose(out, [[2.0, -1.0], [2.0, 0.0]])
+
+
+def _dare_masks(seed, name, n, shape, density):
+  key = M.tensor_key(seed, name)
+  return [np.asarray(M.random_mask(jax.random.fold_in(key, i), shape, density)) for i in range(n)]
+
+
+@pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_dare(method, normalize):
+  base, models = _trees()
+  w = [1.0, 0.5, 0.7]
+  density = 0.4
+  fn = getattr(M, method)
+  out = fn(base, models, density=density, weights=w, normalize=normalize, seed=3)
+  for k, shape in SHAPES.items():
+    masks = _dare_masks(3, k, 3, shape, density)
+    drops = [np.where(mk, m[k] - base[k], 0) / density for mk, m in zip(masks, models)]
+    ref = np_gta(
+      base[k], drops, w, consensus="sum" if method == "dare_ties" else None, normalize=normalize
+    )
+    close(out[k], ref)
+
+
+def test_dare_drop_rate_and_seed():
+  base = {"w": np.zeros((200, 100), np.float32)}
+  model = {"w": np.ones((200, 100), np.float32)}
+  out = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1)["w"])
+  kept = out != 0
+  assert abs(kept.mean() - 0.3) < 0.02
+  np.testing.assert_allclose(out[kept], 1 / 0.3, rtol=1e-6)
+  again = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1)["w"])
+  other = np.asarray(M.dare_linear(base, [model], density=0.3, seed=2)["w"])
+  np.testing.assert_array_equal(out, again)
+  assert (other != out).any()
+  no_rescale = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1, rescale=False)["w"])
+  np.testing.assert_allclose(no_rescale[kept], 1.0)
+
+
+def test_per_tensor_function_jits_and_keeps_dtype():
+  import jax.numpy as jnp
+
+  base = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+  models = [{"w": jnp.full((4, 4), 2.0, jnp.bfloat16)}]
+  out = M.task_arithmetic(base, models, lambda_=0.5)
+  assert out["w"].dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out["w"], np.float32), 1.5)
+
+
+def test_weights_length_is_checked():
+  base, models = _trees()
+  with pytest.raises(ValueError, match="weights"):
+    M.task_arithmetic(base, models, [1.0, 2.0])
