@@ -130,14 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands():
   """Subcommands contributed by other modules (merge, zoo, serve, ...), when present."""
-  out = []
-  try:
-    from bitdelta_jax.merge.cli import add_merge_parser
+  from bitdelta_jax.distill import add_distill_parser
+  from bitdelta_jax.merge.cli import add_merge_parser
+  from bitdelta_jax.zoo.cli import add_zoo_parsers
 
-    out.append(add_merge_parser)
-  except ImportError:
-    pass
-  return out
+  return [add_merge_parser, add_distill_parser, add_zoo_parsers]
 
 
 def main(argv: list[str] | None = None) -> int:

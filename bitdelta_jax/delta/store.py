@@ -285,3 +285,38 @@ def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
   extra = sorted(set(bt) - set(wt))
   if extra:
     raise DeltaMismatchError(f"{where} was made for a different base: base has extra tensors {extra[:5]}")
+
+
+def update_scales(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
+                  scales_meta: Mapping[str, Any]) -> dict:
+  """Replaces α of packed tensors in a delta directory, atomically.
+
+  The new directory is assembled beside the old one (bits are hard-linked, not copied), then
+  swapped in; the manifest records how the scales were obtained in ``scales``.
+  """
+  path = Path(path)
+  m = read_manifest(path)
+  for name, a in scales.items():
+    meta = m["tensors"].get(name)
+    if meta is None or meta["kind"] != "packed":
+      raise DeltaStoreError(f"{path}: {name!r} is not a packed tensor of this delta")
+    if list(np.shape(a)) != meta["arrays"]["scale"]["shape"]:
+      raise DeltaStoreError(f"{path}: new scale for {name!r} has shape {list(np.shape(a))}, "
+                            f"expected {meta['arrays']['scale']['shape']}")
+  with AtomicDir(path, overwrite=True) as out:
+    for src in path.rglob("*"):
+      rel = src.relative_to(path)
+      dst = out.tmp / rel
+      if src.is_dir():
+        dst.mkdir(parents=True, exist_ok=True)
+      elif rel.name != MANIFEST:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.link(src, dst)
+    for name, a in scales.items():
+      d = _array_dir(out.tmp, name) / "scale"
+      shutil.rmtree(d)
+      m["tensors"][name]["arrays"]["scale"] = write_array(d, np.asarray(a, np.float32))
+    m["scales"] = dict(scales_meta)
+    (out.tmp / MANIFEST).write_text(json.dumps(m, indent=1))
+    out.commit()
+  return m

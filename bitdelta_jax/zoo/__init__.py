@@ -1,0 +1,34 @@
+"""The built-in model family: a tiny Llama-architecture base (`nano`) and task variants.
+
+    from bitdelta_jax.zoo import shipped_family
+    base_dir, variants = shipped_family()     # Path, {"nano-math": Path(delta dir), ...}
+
+The package ships the bf16 base and the compressed, scale-distilled variant deltas
+(`bitdelta_jax/zoo/shipped/`), built by `bitdelta zoo build --ship`. Full-precision fine-tunes
+are rebuilt by the recipe when an evaluation needs them and cached under `cache_dir()`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+
+
+def cache_dir() -> Path:
+  root = os.environ.get("BITDELTA_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bitdelta_jax")
+  return Path(root) / "zoo"
+
+
+def shipped_family(root: str | os.PathLike | None = None) -> tuple[Path, dict[str, Path]]:
+  """(base directory, {variant name: delta directory}) of the shipped family."""
+  root = Path(root) if root else SHIPPED
+  fam = root / "family.json"
+  if not fam.exists():
+    raise FileNotFoundError(
+      f"{fam}: the built-in family is not there; build it with `bitdelta zoo build --ship`")
+  meta = json.loads(fam.read_text())
+  return root / meta["base"], {n: root / "deltas" / n for n in meta["variants"]}

@@ -1,0 +1,228 @@
+"""`bitdelta zoo build`: the deterministic recipe of the built-in model family.
+
+1. Pre-train a tiny Llama-architecture base (`nano`) on the standard library's sources.
+2. Fine-tune one variant per task (`nano-math`, `nano-reverse`, ...) from the bf16 base with a
+   small learning rate; embeddings and LM head stay frozen, so a variant differs from the base
+   only in its linear layers and norms (which BitDelta and the slot banks carry).
+3. Save the base (bf16, HF format, byte-level tokenizer, chat template); save each full
+   fine-tune (f32, HF format) in the cache; compress each into a 1-bit delta and distil its
+   scales.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+from flax import nnx
+
+from bitdelta_jax.delta.compress import CompressPolicy
+from bitdelta_jax.delta.stream import compress_checkpoints
+from bitdelta_jax.hf.safetensors_io import save_file
+from bitdelta_jax.models import ModelConfig, base_tensors, from_pretrained
+from bitdelta_jax.models.llama import LlamaForCausalLM
+from bitdelta_jax.zoo.corpus import encode_bytes, lm_batches, stdlib_text
+from bitdelta_jax.zoo.data import batch_examples
+from bitdelta_jax.zoo.tasks import TASKS
+from bitdelta_jax.zoo.tokenizer_build import BOS, EOS, PAD, VOCAB_SIZE, write_tokenizer
+from bitdelta_jax.zoo.train import train
+
+FROZEN = ("embed_tokens", "lm_head")
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooConfig:
+  hidden_size: int = 128
+  intermediate_size: int = 352
+  num_layers: int = 4
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  max_position_embeddings: int = 512
+  pretrain_steps: int = 500
+  pretrain_batch: int = 32
+  pretrain_seq: int = 128
+  pretrain_lr: float = 3e-3
+  finetune_steps: int = 400
+  finetune_batch: int = 64
+  finetune_seq: int = 40
+  finetune_lr: float = 1e-3
+  n_eval: int = 256
+  tasks: tuple[str, ...] = tuple(TASKS)
+  seed: int = 0
+
+  @classmethod
+  def micro(cls) -> ZooConfig:
+    """Seconds, for tests: same code path, tiny sizes, no accuracy goal."""
+    return cls(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
+               pretrain_steps=20, pretrain_batch=8, pretrain_seq=64, finetune_steps=15,
+               finetune_batch=16, n_eval=32, tasks=("nano-math", "nano-reverse"))
+
+  def hf_config(self) -> dict:
+    return {
+      "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB_SIZE,
+      "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+      "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+      "num_key_value_heads": self.num_kv_heads, "head_dim": self.hidden_size // self.num_heads,
+      "hidden_act": "silu", "max_position_embeddings": self.max_position_embeddings,
+      "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+      "attention_bias": False, "mlp_bias": False, "torch_dtype": "bfloat16",
+      "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD,
+    }
+
+
+def _task_batches(task, batch: int, seq: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  rng = random.Random(f"{task.name}:train:{seed}")
+  while True:
+    yield batch_examples([task.example(rng) for _ in range(batch)], seq)
+
+
+def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+  """Alternates stdlib text windows with chat-formatted general-skill examples (packed into
+  rows of the same length; loss on every token of the text, on answers of the skills)."""
+  from bitdelta_jax.zoo.data import encode_example
+  from bitdelta_jax.zoo.tasks import BASE_SKILLS
+
+  ids = encode_bytes(stdlib_text())
+  text = lm_batches(ids, cfg.pretrain_batch, cfg.pretrain_seq, cfg.seed)
+  rng = random.Random(f"skills:{cfg.seed}")
+  width = cfg.pretrain_seq + 1
+  step = 0
+  while True:
+    step += 1
+    if step % 2:
+      toks = next(text)
+      yield toks, np.ones_like(toks, np.float32)
+      continue
+    toks = np.full((cfg.pretrain_batch, width), PAD, np.int32)
+    mask = np.zeros((cfg.pretrain_batch, width), np.float32)
+    for row in range(cfg.pretrain_batch):
+      pos = 0
+      while True:
+        t, start = encode_example(*rng.choice(BASE_SKILLS).example(rng))
+        if pos + len(t) > width:
+          break
+        toks[row, pos:pos + len(t)] = t
+        mask[row, pos + start - 1:pos + len(t) - 1] = 1.0
+        pos += len(t)
+    yield toks, mask
+
+
+def _save_hf(model, directory: Path, cfg: ZooConfig, dtype) -> Path:
+  directory.mkdir(parents=True, exist_ok=True)
+  tensors = {k: v.astype(dtype) for k, v in base_tensors(model).items()}
+  save_file(tensors, directory / "model.safetensors")
+  hf = cfg.hf_config() | {"torch_dtype": "bfloat16" if dtype == ml_dtypes.bfloat16 else "float32"}
+  (directory / "config.json").write_text(json.dumps(hf, indent=2))
+  write_tokenizer(directory)
+  return directory
+
+
+def _labels(params):
+  """"train" for parameters the fine-tune trains, "freeze" for embeddings and LM head."""
+  def label(path, _):
+    keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
+    return "freeze" if any(k in FROZEN for k in keys) else "train"
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def pretrain(cfg: ZooConfig, *, progress: bool = True) -> tuple[LlamaForCausalLM, list[float]]:
+  mcfg = ModelConfig.from_hf_dict(cfg.hf_config())
+  model = LlamaForCausalLM(mcfg, dtype=jnp.float32, rngs=nnx.Rngs(cfg.seed))
+  sched = optax.warmup_cosine_decay_schedule(0.0, cfg.pretrain_lr, max(1, cfg.pretrain_steps // 10),
+                                             cfg.pretrain_steps, cfg.pretrain_lr / 10)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+  losses = train(model, _pretrain_batches(cfg), cfg.pretrain_steps, opt, desc="pretrain nano",
+                 progress=progress)
+  return model, losses
+
+
+def finetune(base_dir: Path, task_name: str, cfg: ZooConfig, *, progress: bool = True):
+  """Full fine-tune (embeddings / LM head frozen) of the bf16 base, computed in f32."""
+  model = from_pretrained(base_dir, dtype=jnp.float32)
+  task = TASKS[task_name]
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
+    {"train": optax.adam(optax.warmup_constant_schedule(0.0, cfg.finetune_lr, 20)),
+     "freeze": optax.set_to_zero()}, _labels))
+  losses = train(model, _task_batches(task, cfg.finetune_batch, cfg.finetune_seq, cfg.seed),
+                 cfg.finetune_steps, opt, desc=f"finetune {task_name}", progress=progress)
+  return model, losses
+
+
+def delta_norm_ratio(base_dir: Path, ft_dir: Path) -> float:
+  """‖W_ft − W_base‖_F / ‖W_base‖_F over all linear weights."""
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+
+  num = den = 0.0
+  with CheckpointReader(base_dir) as b, CheckpointReader(ft_dir) as f:
+    for n in b.names():
+      if b.info(n).shape and len(b.info(n).shape) == 2 and not any(x in n for x in FROZEN):
+        wb = b.read(n).astype(np.float64)
+        num += float(np.sum((f.read(n).astype(np.float64) - wb) ** 2))
+        den += float(np.sum(wb**2))
+  return float(np.sqrt(num / den))
+
+
+def ensure_finetune(base_dir: Path, name: str, cfg: ZooConfig, cache_root: Path, *,
+                    progress: bool = True) -> Path:
+  """The full-precision fine-tune of ``name`` from ``base_dir``: from the cache (keyed by the
+  base's content digest and the recipe config), else trained now and cached atomically."""
+  import hashlib
+
+  from bitdelta_jax.delta.store import AtomicDir
+  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+
+  digest = fingerprint_checkpoint(base_dir)["digest"]
+  key = hashlib.sha256((digest + json.dumps(dataclasses.asdict(cfg), sort_keys=True)).encode())
+  ft_dir = Path(cache_root) / key.hexdigest()[:16] / name
+  if (ft_dir / "config.json").exists():
+    return ft_dir
+  model, _ = finetune(Path(base_dir), name, cfg, progress=progress)
+  with AtomicDir(ft_dir, overwrite=True) as out:
+    _save_hf(model, out.tmp, cfg, np.float32)
+    out.commit()
+  return ft_dir
+
+
+def build(out_dir: str | Path, cache_dir: str | Path, cfg: ZooConfig = ZooConfig(), *,
+          granularity: str = "column", distill_steps: int | None = None,
+          progress: bool = True) -> dict:
+  """Runs the whole recipe. Writes ``out_dir/nano`` (base), ``out_dir/deltas/<variant>`` and
+  ``out_dir/family.json``; full fine-tunes go to ``cache_dir/<variant>``."""
+  from bitdelta_jax.distill import distill_checkpoint
+  from bitdelta_jax.zoo.evaluate import exact_match_and_nll
+
+  out_dir, cache_dir = Path(out_dir), Path(cache_dir)
+  t0 = time.perf_counter()
+  model, pre_losses = pretrain(cfg, progress=progress)
+  base_dir = _save_hf(model, out_dir / "nano", cfg, ml_dtypes.bfloat16)
+  del model
+  family = {"base": "nano", "config": dataclasses.asdict(cfg), "pretrain_final_loss":
+            float(np.mean(pre_losses[-10:])), "variants": {}}
+  for name in cfg.tasks:
+    ts = time.perf_counter()
+    ft_dir = ensure_finetune(base_dir, name, cfg, cache_dir, progress=progress)
+    held = TASKS[name].splits(0, cfg.n_eval, cfg.seed)[1]
+    em_ft, _ = exact_match_and_nll(from_pretrained(ft_dir, dtype=jnp.float32), held)
+    delta_dir = out_dir / "deltas" / name
+    compress_checkpoints(base_dir, ft_dir, delta_dir, CompressPolicy(granularity=granularity),
+                         overwrite=True, progress=False)
+    calib = [TASKS[name].example(random.Random(f"{name}:calib:{i}")) for i in range(512)]
+    dist = distill_checkpoint(base_dir, ft_dir, delta_dir, calib,
+                              steps=distill_steps or (10 if cfg.pretrain_steps < 100 else 200),
+                              progress=progress)
+    family["variants"][name] = {
+      "task": TASKS[name].description, "exact_match_finetune": em_ft, "delta_norm_ratio": delta_norm_ratio(base_dir, ft_dir),
+      "distill": dist, "seconds": time.perf_counter() - ts,
+    }
+  family["seconds"] = time.perf_counter() - t0
+  (out_dir / "family.json").write_text(json.dumps(family, indent=1))
+  return family
