@@ -1,0 +1,177 @@
+"""Delta-aware layers: the base parameters of the HF checkpoint plus a bank of variant slots.
+
+Every layer keeps its base weights as `nnx.Param` under the HF tensor's name (``kernel`` is the
+transposed HF ``weight`` of a Linear, ``[in, out]``). Variant state lives beside them in
+`SlotBank` variables, one row per slot, so ``nnx.state(model, nnx.Param)`` is exactly the base
+checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
+
+* `DeltaDense`: ``y[m] = x[m]·W + α[v]⊙(x[m]·S[v]) (+ b + Δb[v])`` with ``v`` the slot of row
+  ``m``'s sequence; the matmul goes through ``pallas_kernels.delta_matmul``. Bank: bits
+  ``[S, K_pad/8, N]`` uint8, scale ``[S, N]`` f32 (a per-matrix α is broadcast to N).
+* `RMSNorm`: per-slot f32 weight delta ``[S, D]`` (norms are kept exactly by the compressor).
+* `Embed` / `LMHead`: optional per-slot dense f32 deltas (``ModelConfig.dense_embedding_slots``).
+
+Slot 0 is the base: its rows are always zero. All bank shapes are static, so loading a
+variant (see `bitdelta_jax.models.slots`) is an array update that never recompiles.
+A layer built with ``num_slots == 1`` has no bank and runs the plain base computation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, packed_rows
+
+_init = nnx.initializers.normal(0.02)
+
+
+class SlotBank(nnx.Variable):
+  """Per-variant-slot state kept beside the base parameters (row 0 = base, always zero)."""
+
+
+def delta_matmul_fn(implementation: str | None = None):
+  """The kernel API if it is importable, else the plain-jnp reference (resolved at trace time)."""
+  try:
+    from pallas_kernels.delta_matmul.api import delta_matmul
+  except ImportError:
+    from pallas_kernels.delta_matmul.reference import delta_matmul_reference
+
+    return delta_matmul_reference
+  return functools.partial(delta_matmul, implementation=implementation)
+
+
+def _rows(bank: jax.Array, slot_ids: jax.Array) -> jax.Array:
+  return jnp.take(bank, slot_ids, axis=0)
+
+
+class DeltaDense(nnx.Module):
+  """A Linear layer ``[in, out]`` with an optional bank of 1-bit variant deltas.
+
+  Call with ``x [B, T, in]`` and ``slot_ids [B]`` (or None: base only).
+  """
+
+  def __init__(
+    self,
+    in_features: int,
+    out_features: int,
+    *,
+    use_bias: bool,
+    num_slots: int,
+    dtype,
+    rngs: nnx.Rngs,
+    implementation: str | None = None,
+  ):
+    self.in_features, self.out_features = in_features, out_features
+    self.implementation = implementation
+    self.kernel = nnx.Param(_init(rngs.params(), (in_features, out_features), dtype))
+    self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+    self.group_k = group_k_for(in_features, DEFAULT_GROUP_K)
+    if num_slots > 1:
+      kp = packed_rows(in_features, self.group_k)
+      self.delta_bits = SlotBank(jnp.zeros((num_slots, kp, out_features), jnp.uint8))
+      self.delta_scale = SlotBank(jnp.zeros((num_slots, out_features), jnp.float32))
+      self.bias_delta = (
+        SlotBank(jnp.zeros((num_slots, out_features), jnp.float32)) if use_bias else None
+      )
+    else:
+      self.delta_bits = self.delta_scale = self.bias_delta = None
+
+  @property
+  def has_bank(self) -> bool:
+    return self.delta_bits is not None
+
+  def __call__(self, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
+    kernel = self.kernel[...]
+    b, t, k = x_BxTxK.shape
+    if self.has_bank and slot_ids is not None:
+      ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
+      y = delta_matmul_fn(self.implementation)(
+        x_BxTxK.reshape(b * t, k),
+        kernel,
+        self.delta_bits[...],
+        self.delta_scale[...],
+        ids,
+        group_k=self.group_k,
+      ).reshape(b, t, self.out_features)
+    else:
+      y = jnp.dot(x_BxTxK, kernel)
+    if self.bias is not None:
+      bias = self.bias[...]
+      if self.bias_delta is not None and slot_ids is not None:
+        bias = bias.astype(jnp.float32)[None] + _rows(self.bias_delta[...], slot_ids)
+        bias = bias.astype(self.bias.dtype)[:, None, :]
+      y = y + bias
+    return y
+
+
+class RMSNorm(nnx.Module):
+  """``w ⊙ x / rms(x)`` computed in f32 like transformers; per-slot f32 weight deltas."""
+
+  def __init__(self, dim: int, *, eps: float, num_slots: int, dtype):
+    self.eps = eps
+    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+    self.weight_delta = (
+      SlotBank(jnp.zeros((num_slots, dim), jnp.float32)) if num_slots > 1 else None
+    )
+
+  def __call__(self, x_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
+    dtype = x_BxTxD.dtype
+    x = x_BxTxD.astype(jnp.float32)
+    x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + self.eps)
+    w = self.weight[...]
+    if self.weight_delta is not None and slot_ids is not None:
+      w = w.astype(jnp.float32)[None] + _rows(self.weight_delta[...], slot_ids)
+      w = w.astype(self.weight.dtype)[:, None, :]
+    return w * x.astype(dtype)
+
+
+class Embed(nnx.Module):
+  """Token embedding ``[V, D]``; with tied embeddings it also produces the logits."""
+
+  def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
+    self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), dtype))
+    self.weight_delta = (
+      SlotBank(jnp.zeros((num_slots, vocab, dim), jnp.float32))
+      if dense_slots and num_slots > 1
+      else None
+    )
+
+  def __call__(self, ids_BxT: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
+    w = self.weight[...]
+    e = jnp.take(w, ids_BxT, axis=0)
+    if self.weight_delta is not None and slot_ids is not None:
+      d = self.weight_delta[...][slot_ids[:, None], ids_BxT]
+      e = (e.astype(jnp.float32) + d).astype(w.dtype)
+    return e
+
+  def attend(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
+    """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``), f32 logits."""
+    w = self.weight[...]
+    logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
+    if self.weight_delta is not None and slot_ids is not None:
+      d = _rows(self.weight_delta[...], slot_ids)
+      logits = logits + jnp.einsum("btd,bvd->btv", h_BxTxD.astype(jnp.float32), d)
+    return logits
+
+
+class LMHead(nnx.Module):
+  """Untied LM head, kernel ``[D, V]`` (HF ``lm_head.weight`` transposed); f32 logits."""
+
+  def __init__(self, dim: int, vocab: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
+    self.kernel = nnx.Param(_init(rngs.params(), (dim, vocab), dtype))
+    self.kernel_delta = (
+      SlotBank(jnp.zeros((num_slots, dim, vocab), jnp.float32))
+      if dense_slots and num_slots > 1
+      else None
+    )
+
+  def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
+    logits = jnp.dot(h_BxTxD, self.kernel[...], preferred_element_type=jnp.float32)
+    if self.kernel_delta is not None and slot_ids is not None:
+      d = _rows(self.kernel_delta[...], slot_ids)
+      logits = logits + jnp.einsum("btd,bdv->btv", h_BxTxD.astype(jnp.float32), d)
+    return logits

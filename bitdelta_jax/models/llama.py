@@ -1,0 +1,285 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) in Flax NNX with per-row variant slots.
+
+The module tree mirrors the HF checkpoint: ``model.embed_tokens.weight``,
+``model.layers.{i}.self_attn.{q,k,v,o}_proj.{kernel,bias}``, ``model.layers.{i}.mlp.{gate,up,
+down}_proj.kernel``, ``model.layers.{i}.{input,post_attention}_layernorm.weight``,
+``model.norm.weight``, ``lm_head.kernel`` (absent when embeddings are tied). ``kernel`` is the
+HF Linear ``weight`` transposed to ``[in, out]``; see `bitdelta_jax.models.loading`.
+
+Public entry points on `LlamaForCausalLM`:
+
+* ``__call__(input_ids [B,T], *, attention_mask=None, positions=None, slot_ids=None)``
+  → f32 logits ``[B, T, V]``. ``attention_mask`` ``[B, T]`` marks real keys (1) vs padding.
+* ``prefill(input_ids [B,T], lengths [B], slot_ids)`` → ``(last_logits [B,V], k, v)`` with
+  ``k, v [L, B, T, kv_heads, head_dim]``: right-padded prompts, logits at ``lengths - 1``.
+* ``decode(tokens [B], positions [B], slot_ids, k_cache, v_cache)`` → ``(logits [B,V], k, v)``:
+  one token per row at its own position, written into the preallocated cache
+  ``[L, B, max_len, kv_heads, head_dim]`` before attending over it.
+
+``slot_ids [B]`` picks each row's variant (0 = base); None runs the base for every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bitdelta_jax.models.config import ModelConfig
+from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
+
+_NEG = float(np.finfo(np.float32).min)
+
+# attend(layer_idx, q [B,T,H,hd], k [B,T,KV,hd], v) -> out [B,T,H,hd]
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def rope_cos_sin(inv_freq: np.ndarray, positions_BxT: jax.Array) -> tuple[jax.Array, jax.Array]:
+  freqs = positions_BxT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)
+  return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x_BxTxHxD: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """HF's rotate-half convention; cos/sin ``[B, T, hd]`` in f32, cast to x's dtype."""
+  dtype = x_BxTxHxD.dtype
+  cos, sin = cos[:, :, None].astype(dtype), sin[:, :, None].astype(dtype)
+  half = x_BxTxHxD.shape[-1] // 2
+  x1, x2 = x_BxTxHxD[..., :half], x_BxTxHxD[..., half:]
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return x_BxTxHxD * cos + rotated * sin
+
+
+def attention(q_BxTxHxD, k_BxSxKxD, v_BxSxKxD, mask_BxTxS) -> jax.Array:
+  """Grouped-query softmax attention; scores and softmax in f32."""
+  b, t, h, d = q_BxTxHxD.shape
+  kv = k_BxSxKxD.shape[2]
+  q = q_BxTxHxD.reshape(b, t, kv, h // kv, d)
+  s = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxD, preferred_element_type=jnp.float32)
+  s = s * (d**-0.5)
+  s = jnp.where(mask_BxTxS[:, None, None], s, _NEG)
+  p = jax.nn.softmax(s, axis=-1).astype(v_BxSxKxD.dtype)
+  o = jnp.einsum("bkgts,bskd->btkgd", p, v_BxSxKxD)
+  return o.reshape(b, t, h, d)
+
+
+def causal_mask(q_pos_BxT, k_pos_BxS, window: int | None, key_valid_BxS=None) -> jax.Array:
+  """``k <= q`` (and ``k > q - window``) over cache indices, plus key validity."""
+  qp, kp = q_pos_BxT[:, :, None], k_pos_BxS[:, None, :]
+  m = kp <= qp
+  if window is not None:
+    m = m & (kp > qp - window)
+  if key_valid_BxS is not None:
+    m = m & key_valid_BxS[:, None, :]
+  return m
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    d, hd, s, impl = cfg.hidden_size, cfg.head_dim, cfg.num_slots, cfg.delta_implementation
+    self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
+    self.q_proj = DeltaDense(
+      d,
+      cfg.num_heads * hd,
+      use_bias=cfg.qkv_bias,
+      num_slots=s,
+      dtype=dtype,
+      rngs=rngs,
+      implementation=impl,
+    )
+    self.k_proj = DeltaDense(
+      d,
+      cfg.num_kv_heads * hd,
+      use_bias=cfg.qkv_bias,
+      num_slots=s,
+      dtype=dtype,
+      rngs=rngs,
+      implementation=impl,
+    )
+    self.v_proj = DeltaDense(
+      d,
+      cfg.num_kv_heads * hd,
+      use_bias=cfg.qkv_bias,
+      num_slots=s,
+      dtype=dtype,
+      rngs=rngs,
+      implementation=impl,
+    )
+    self.o_proj = DeltaDense(
+      cfg.num_heads * hd,
+      d,
+      use_bias=cfg.o_bias,
+      num_slots=s,
+      dtype=dtype,
+      rngs=rngs,
+      implementation=impl,
+    )
+
+  def __call__(self, x, cos, sin, slot_ids, attend: Callable) -> jax.Array:
+    b, t, _ = x.shape
+    q = self.q_proj(x, slot_ids).reshape(b, t, self.num_heads, self.head_dim)
+    k = self.k_proj(x, slot_ids).reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = self.v_proj(x, slot_ids).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    o = attend(q, k, v)
+    return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), slot_ids)
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+    kw = dict(
+      use_bias=bias,
+      num_slots=cfg.num_slots,
+      dtype=dtype,
+      rngs=rngs,
+      implementation=cfg.delta_implementation,
+    )
+    self.gate_proj = DeltaDense(d, f, **kw)
+    self.up_proj = DeltaDense(d, f, **kw)
+    self.down_proj = DeltaDense(f, d, **kw)
+
+  def __call__(self, x, slot_ids):
+    h = jax.nn.silu(self.gate_proj(x, slot_ids)) * self.up_proj(x, slot_ids)
+    return self.down_proj(h, slot_ids)
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    kw = dict(eps=cfg.rms_norm_eps, num_slots=cfg.num_slots, dtype=dtype)
+    self.input_layernorm = RMSNorm(cfg.hidden_size, **kw)
+    self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **kw)
+    self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+  def __call__(self, x, cos, sin, slot_ids, attend: Callable):
+    x = x + self.self_attn(self.input_layernorm(x, slot_ids), cos, sin, slot_ids, attend)
+    return x + self.mlp(self.post_attention_layernorm(x, slot_ids), slot_ids)
+
+
+class Decoder(nnx.Module):
+  """HF's ``model``: embeddings, layers, final norm."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    self.embed_tokens = Embed(
+      cfg.vocab_size,
+      cfg.hidden_size,
+      num_slots=cfg.num_slots,
+      dense_slots=cfg.dense_embedding_slots,
+      dtype=dtype,
+      rngs=rngs,
+    )
+    self.layers = nnx.List(
+      [DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)]
+    )
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, num_slots=cfg.num_slots, dtype=dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+  """The causal LM; see the module docstring for the call signatures."""
+
+  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    rngs = rngs if rngs is not None else nnx.Rngs(0)
+    self.config = cfg
+    self.dtype = jnp.dtype(dtype)
+    self.model = Decoder(cfg, dtype=dtype, rngs=rngs)
+    self.lm_head = (
+      None
+      if cfg.tie_word_embeddings
+      else LMHead(
+        cfg.hidden_size,
+        cfg.vocab_size,
+        num_slots=cfg.num_slots,
+        dense_slots=cfg.dense_embedding_slots,
+        dtype=dtype,
+        rngs=rngs,
+      )
+    )
+
+  # -- internals ---------------------------------------------------------------------------
+  def _hidden(self, ids_BxT, positions_BxT, slot_ids, attend: AttendFn) -> jax.Array:
+    x = self.model.embed_tokens(ids_BxT, slot_ids)
+    inv_freq = self.config.rope.inv_freq(self.config.head_dim)
+    cos, sin = rope_cos_sin(inv_freq, positions_BxT)
+    for i, layer in enumerate(self.model.layers):
+      x = layer(x, cos, sin, slot_ids, lambda q, k, v, i=i: attend(i, q, k, v))
+    return x
+
+  def _logits(self, h_BxTxD, slot_ids) -> jax.Array:
+    h = self.model.norm(h_BxTxD, slot_ids)
+    if self.lm_head is None:
+      return self.model.embed_tokens.attend(h, slot_ids)
+    return self.lm_head(h, slot_ids)
+
+  def _self_attend(self, ids_BxT, key_valid_BxT, kv_out: list | None) -> AttendFn:
+    b, t = ids_BxT.shape
+    idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    masks = {w: causal_mask(idx, idx, w, key_valid_BxT) for w in set(self.config.layer_windows)}
+
+    def attend(i, q, k, v):
+      if kv_out is not None:
+        kv_out.append((k, v))
+      return attention(q, k, v, masks[self.config.layer_windows[i]])
+
+    return attend
+
+  # -- public ------------------------------------------------------------------------------
+  def __call__(
+    self,
+    input_ids: jax.Array,
+    *,
+    attention_mask: jax.Array | None = None,
+    positions: jax.Array | None = None,
+    slot_ids: jax.Array | None = None,
+  ) -> jax.Array:
+    """Full-sequence forward: f32 logits ``[B, T, V]``."""
+    ids = jnp.asarray(input_ids, jnp.int32)
+    b, t = ids.shape
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    valid = None if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
+    h = self._hidden(ids, positions, slot_ids, self._self_attend(ids, valid, None))
+    return self._logits(h, slot_ids)
+
+  def prefill(
+    self, input_ids: jax.Array, lengths: jax.Array, slot_ids: jax.Array | None = None
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Right-padded prompts ``[B, T]`` → (f32 logits at ``lengths-1`` ``[B, V]``, k, v)."""
+    ids = jnp.asarray(input_ids, jnp.int32)
+    b, t = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    kv: list = []
+    h = self._hidden(ids, positions, slot_ids, self._self_attend(ids, None, kv))
+    last = jnp.take_along_axis(h, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)
+    logits = self._logits(last, slot_ids)[:, 0]
+    k = jnp.stack([a for a, _ in kv])
+    v = jnp.stack([c for _, c in kv])
+    return logits, k, v
+
+  def decode(
+    self,
+    tokens_B: jax.Array,
+    positions_B: jax.Array,
+    slot_ids: jax.Array | None,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One step: writes each row's k/v at its position, attends over the cache."""
+    b = tokens_B.shape[0]
+    max_len = k_cache.shape[2]
+    pos = positions_B.astype(jnp.int32)
+    rows = jnp.arange(b)
+    kpos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32)[None], (b, max_len))
+    masks = {w: causal_mask(pos[:, None], kpos, w) for w in set(self.config.layer_windows)}
+    cache = {"k": k_cache, "v": v_cache}
+
+    def attend(i, q, k, v):
+      cache["k"] = cache["k"].at[i, rows, pos].set(k[:, 0].astype(k_cache.dtype))
+      cache["v"] = cache["v"].at[i, rows, pos].set(v[:, 0].astype(v_cache.dtype))
+      return attention(q, cache["k"][i], cache["v"][i], masks[self.config.layer_windows[i]])
+
+    h = self._hidden(tokens_B[:, None].astype(jnp.int32), pos[:, None], slot_ids, attend)
+    return self._logits(h, slot_ids)[:, 0], cache["k"], cache["v"]

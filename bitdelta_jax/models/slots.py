@@ -1,0 +1,189 @@
+"""Loading variant deltas into the slot banks of a model (no recompilation).
+
+    load_variant(model, slot, delta)   # delta: {HF tensor name: PackedDelta | Dense}
+    clear_slot(model, slot)            # slot back to the base
+    slot_bank_bytes(model) -> int      # device bytes of all banks
+
+``delta`` is what `bitdelta_jax.delta.compress.compress(..., hf_layout=True)` or
+`bitdelta_jax.delta.store.load_delta` return. Entries:
+
+* `PackedDelta` of a linear weight (Flax ``[in, out]``) → the layer's 1-bit bank; a bank
+  built with another ``group_k`` is re-packed on the host; a per-matrix α is broadcast.
+* ``Dense`` kind ``same`` → the slot row is zeroed (the base); kind ``value`` (HF layout) or
+  ``delta`` (``ft − base``, f32) of a norm weight or bias → the layer's f32 delta row.
+* embeddings / LM head that differ need ``ModelConfig.dense_embedding_slots``; otherwise a
+  `ValueError` names the tensor. A grown vocabulary (``extra_rows``) is always an error.
+* A tensor the delta omits is the base; a name the model lacks is an error.
+
+Each bank row is written by one jitted, buffer-donating ``dynamic_update_slice`` whose slot
+index is traced: one small compile per bank shape, none per slot, and the model's own jitted
+functions see arrays of unchanged shape and dtype, so they never retrace. Because the old bank
+buffers are donated, re-read ``nnx.state(model)`` after loading (`Generator` does this).
+Mutation is in place on the NNX module (the NNX idiom); ``nnx.state(model, SlotBank)`` gives
+the functional view.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bitdelta_jax.delta.format import PackedDelta, _pack_bits, unpack_signs
+from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_row(bank: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(bank, row.astype(bank.dtype), slot, 0)
+
+
+def _targets(model) -> dict[str, tuple[Any, str]]:
+  """HF name → (module, role) for every tensor a slot can hold."""
+  out = {}
+  for path, node in nnx.iter_graph(model):
+    prefix = ".".join(str(p) for p in path)
+    if isinstance(node, DeltaDense):
+      out[f"{prefix}.weight"] = (node, "linear")
+      if node.bias is not None:
+        out[f"{prefix}.bias"] = (node, "bias")
+    elif isinstance(node, RMSNorm):
+      out[f"{prefix}.weight"] = (node, "norm")
+    elif isinstance(node, Embed):
+      out[f"{prefix}.weight"] = (node, "embed")
+    elif isinstance(node, LMHead):
+      out[f"{prefix}.weight"] = (node, "head")
+  return out
+
+
+def _bank(module, role: str) -> list[nnx.Variable | None]:
+  if role == "linear":
+    return [module.delta_bits, module.delta_scale]
+  if role == "bias":
+    return [module.bias_delta]
+  if role == "head":
+    return [module.kernel_delta]
+  return [module.weight_delta]  # norm, embed
+
+
+def _base(module, role: str) -> np.ndarray:
+  """The base tensor in HF layout."""
+  if role == "linear" or role == "head":
+    return np.asarray(module.kernel[...]).T
+  if role == "bias":
+    return np.asarray(module.bias[...])
+  return np.asarray(module.weight[...])
+
+
+def _check_slot(model, slot: int) -> None:
+  s = model.config.num_slots
+  if not 1 <= int(slot) < s:
+    raise ValueError(f"slot must be in [1, {s}) (slot 0 is the base; num_slots={s}), got {slot}")
+
+
+def _packed_rows(name: str, module: DeltaDense, pd: PackedDelta) -> list[np.ndarray]:
+  k, n = module.in_features, module.out_features
+  if tuple(pd.shape) != (k, n):
+    raise ValueError(f"tensor {name!r}: packed delta has shape {pd.shape}, the layer is {(k, n)}")
+  bits = np.asarray(pd.bits)
+  if pd.group_k != module.group_k:  # re-pack into the bank's group layout
+    signs = unpack_signs(bits, (k, n), pd.group_k, dtype=np.float32)
+    bits = _pack_bits(signs > 0, k, module.group_k, np)
+  scale = np.broadcast_to(np.asarray(pd.scale, np.float32).reshape(-1), (n,))
+  return [bits, scale]
+
+
+def _dense_row(name: str, entry: Any, base_hf: np.ndarray, role: str) -> np.ndarray:
+  """f32 ``ft − base`` in the bank's layout (HF layout transposed for the LM head)."""
+  extra = getattr(entry, "extra_rows", None)
+  if extra is not None and np.size(extra):
+    raise ValueError(
+      f"tensor {name!r}: the variant grew the vocabulary ({np.shape(extra)[0]} extra rows); "
+      f"a slot cannot change the vocabulary size"
+    )
+  value = np.asarray(entry.value)
+  if value.shape != base_hf.shape:
+    raise ValueError(
+      f"tensor {name!r}: variant has shape {list(value.shape)}, base {list(base_hf.shape)}"
+      + (" (a grown vocabulary cannot go into a slot)" if role in ("embed", "head") else "")
+    )
+  if entry.kind == "value":
+    d = value.astype(np.float32) - base_hf.astype(np.float32)
+  elif entry.kind == "delta":
+    d = value.astype(np.float32)
+  else:
+    raise ValueError(f"tensor {name!r}: unknown entry kind {entry.kind!r}")
+  return d.T if role == "head" else d
+
+
+def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | None:
+  """New bank rows for one entry, or None for "leave at zero"."""
+  is_packed = isinstance(entry, PackedDelta)
+  kind = None if is_packed else getattr(entry, "kind", None)
+  if not is_packed and kind is None:
+    raise ValueError(f"tensor {name!r}: expected PackedDelta or Dense, got {type(entry).__name__}")
+  if kind == "same":
+    return None
+  banks = _bank(module, role)
+  if any(b is None for b in banks):
+    if role in ("embed", "head"):
+      raise ValueError(
+        f"tensor {name!r} differs in this variant, but the model has no per-slot embedding "
+        f"bank: build it with dense_embedding_slots=True, or keep {name!r} equal to the base"
+      )
+    raise ValueError(f"tensor {name!r}: the model was built with num_slots=1 (no variant bank)")
+  if role == "linear":
+    if not is_packed:
+      raise ValueError(
+        f"tensor {name!r}: a dense ({kind}) linear weight cannot go into a 1-bit slot; "
+        f"compress it to a PackedDelta"
+      )
+    return _packed_rows(name, module, entry)
+  if is_packed:
+    if role != "head":
+      raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
+    return [np.asarray(jax.device_get(_dense_of(entry)))]
+  return [_dense_row(name, entry, _base(module, role), role)]
+
+
+def _dense_of(pd: PackedDelta) -> np.ndarray:
+  from bitdelta_jax.delta.format import dense_delta
+
+  return np.asarray(dense_delta(jax.tree.map(np.asarray, pd), np.float32))
+
+
+def load_variant(model, slot: int, delta: Mapping[str, Any]) -> None:
+  """Writes a variant into ``slot`` of every bank (in place, no recompilation)."""
+  _check_slot(model, slot)
+  targets = _targets(model)
+  unknown = sorted(set(delta) - set(targets))
+  if unknown:
+    raise ValueError(f"delta has tensors this model lacks: {unknown[:8]}")
+  # Validate and convert everything first, so a bad entry leaves the slot untouched.
+  updates: dict[int, tuple[nnx.Variable, np.ndarray | None]] = {}
+  for name, (module, role) in targets.items():
+    rows = _rows_for(name, module, role, delta[name]) if name in delta else None
+    for i, var in enumerate(_bank(module, role)):
+      if var is not None:
+        updates[id(var)] = (var, None if rows is None else rows[i])
+  s = jnp.int32(slot)
+  for var, row in updates.values():
+    bank = var[...]
+    new = jnp.zeros(bank.shape[1:], bank.dtype) if row is None else jnp.asarray(row, bank.dtype)
+    var.set_value(_set_row(bank, s, new))
+
+
+def clear_slot(model, slot: int) -> None:
+  """Resets ``slot`` to the base (all its bank rows zero)."""
+  load_variant(model, slot, {})
+
+
+def slot_bank_bytes(model) -> int:
+  from bitdelta_jax.models.layers import SlotBank
+
+  return sum(int(v[...].nbytes) for _, v in nnx.to_flat_state(nnx.state(model, SlotBank)))
