@@ -29,7 +29,7 @@ from bitdelta_jax.delta.compress import (
   apply_tensor,
   compress_tensor,
 )
-from bitdelta_jax.delta.format import PackedDelta, _pack_bits, group_k_for
+from bitdelta_jax.delta.format import PackedDelta, group_k_for
 from bitdelta_jax.delta.report import Report, TensorReport
 from bitdelta_jax.delta.store import (
   AtomicDir,
