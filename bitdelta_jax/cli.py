@@ -1,4 +1,4 @@
-"""The `bitdelta` command line: compress | apply | inspect | demo (and more as they land).
+"""The `bitdelta` command line: compress | apply | inspect | distill | zoo | eval | merge | serve | demo.
 
 Every command that fails on bad input prints ``error: <what and where>`` and exits with 2,
 leaving no partial output behind.
@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
-from pathlib import Path
 
 EXIT_BAD_INPUT = 2
 
@@ -64,31 +62,6 @@ def cmd_inspect(args) -> int:
   return 0
 
 
-def cmd_demo(args) -> int:
-  """Compresses a built-in example pair and prints the report (the server demo comes later)."""
-  from bitdelta_jax.delta.compress import CompressPolicy
-  from bitdelta_jax.delta.report import Report
-  from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
-  from bitdelta_jax.synthetic import SyntheticConfig, write_pair
-
-  cfg = SyntheticConfig(vocab_size=512, hidden_size=512, intermediate_size=1408,
-                        num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4)
-  with tempfile.TemporaryDirectory(prefix="bitdelta-demo-") as tmp:
-    base, ft = write_pair(tmp, cfg, seed=0)
-    print(f"example pair: a {sum(1 for _ in CheckpointReader(base).names())}-tensor Llama-style "
-          f"base (bf16) and a fine-tune with ~3% relative updates, in {tmp}")
-    for gran in ("matrix", "column"):
-      out = Path(tmp) / f"delta-{gran}"
-      m = compress_checkpoints(base, ft, out, CompressPolicy(granularity=gran), progress=False)
-      rep = Report.from_dict(m["report"])
-      print(f"\n== per-{gran} scales ==")
-      print(rep.format(max_rows=8))
-    applied = apply_checkpoint(base, out, Path(tmp) / "applied", progress=False)
-    print(f"\nmaterialised per-column variant as an HF checkpoint at {applied} (then removed)")
-  return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="bitdelta", description=__doc__.splitlines()[0])
   sub = p.add_subparsers(dest="command", required=True)
@@ -120,9 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
   i.add_argument("--verbose", action="store_true")
   i.set_defaults(fn=cmd_inspect)
 
-  d = sub.add_parser("demo", help="run the built-in demo")
-  d.set_defaults(fn=cmd_demo)
-
   for register in _extra_commands():
     register(sub)
   return p
@@ -133,8 +103,10 @@ def _extra_commands():
   from bitdelta_jax.distill import add_distill_parser
   from bitdelta_jax.merge.cli import add_merge_parser
   from bitdelta_jax.zoo.cli import add_zoo_parsers
+  from serving.cli import add_demo_parser, add_serve_parsers
 
-  return [add_merge_parser, add_distill_parser, add_zoo_parsers]
+  return [add_merge_parser, add_distill_parser, add_zoo_parsers, add_serve_parsers,
+          add_demo_parser]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from bitdelta_jax.models.layers import DeltaDense, SlotBank
 from bitdelta_jax.models.llama import LlamaForCausalLM
 from bitdelta_jax.models.loading import base_tensors, from_pretrained, from_tensors, load_config
 from bitdelta_jax.models.sampling import SamplingParams
-from bitdelta_jax.models.slots import clear_slot, load_variant, slot_bank_bytes
+from bitdelta_jax.models.slots import clear_slot, load_lora, load_variant, slot_bank_bytes
 from bitdelta_jax.models.tokenizer import Tokenizer
 
 __all__ = [
@@ -36,8 +36,9 @@ __all__ = [
   "from_tensors",
   "load_config",
   "SamplingParams",
-  "clear_slot",
+  "clear_slot", "load_lora",
   "load_variant",
+  "load_lora",
   "slot_bank_bytes",
   "Tokenizer",
 ]

@@ -82,6 +82,8 @@ class ModelConfig:
       ``attention_bias`` sets q/k/v/o).
     num_slots: size of the variant bank in every delta-aware layer, slot 0 = the base alone.
       1 means no bank at all (the plain base model).
+    lora_rank: give every linear layer per-slot LoRA factors up to this rank (0: none), so a
+      slot can hold a PEFT LoRA adapter instead of a 1-bit delta.
     dense_embedding_slots: also give embeddings / LM head a per-slot dense f32 delta bank
       (``[S, V, D]``: large), so variants whose embeddings differ can share a batch.
     delta_implementation: passed to ``pallas_kernels.delta_matmul.api.delta_matmul``
@@ -108,6 +110,7 @@ class ModelConfig:
   eos_token_ids: tuple[int, ...] = ()
   num_slots: int = 1
   dense_embedding_slots: bool = False
+  lora_rank: int = 0
   delta_implementation: str | None = None
 
   def __post_init__(self):
@@ -140,7 +143,8 @@ class ModelConfig:
 
   @classmethod
   def from_hf_dict(
-    cls, d: Mapping[str, Any], *, num_slots: int = 1, dense_embedding_slots: bool = False
+    cls, d: Mapping[str, Any], *, num_slots: int = 1, dense_embedding_slots: bool = False,
+    lora_rank: int = 0,
   ) -> ModelConfig:
     """Builds a config from a parsed HF ``config.json``; raises `ConfigError` if unsupported."""
     model_type = d.get("model_type")
@@ -203,6 +207,7 @@ class ModelConfig:
       eos_token_ids=eos_ids,
       num_slots=num_slots,
       dense_embedding_slots=dense_embedding_slots,
+      lora_rank=lora_rank,
     )
 
 

@@ -33,8 +33,14 @@ class SlotBank(nnx.Variable):
   """Per-variant-slot state kept beside the base parameters (row 0 = base, always zero)."""
 
 
-def delta_matmul_fn(implementation: str | None = None):
-  """The kernel API if it is importable, else the plain-jnp reference (resolved at trace time)."""
+def delta_matmul_fn(implementation=None):
+  """The kernel API if it is importable, else the plain-jnp reference (resolved at trace time).
+
+  ``implementation`` is a name for ``delta_matmul`` (or None), or a callable with its signature
+  (e.g. `bitdelta_jax.sharding.ShardedDeltaMatmul`), which is used as is.
+  """
+  if callable(implementation):
+    return implementation
   try:
     from pallas_kernels.delta_matmul.api import delta_matmul
   except ImportError:
@@ -64,6 +70,7 @@ class DeltaDense(nnx.Module):
     dtype,
     rngs: nnx.Rngs,
     implementation: str | None = None,
+    lora_rank: int = 0,
   ):
     self.in_features, self.out_features = in_features, out_features
     self.implementation = implementation
@@ -79,6 +86,12 @@ class DeltaDense(nnx.Module):
       )
     else:
       self.delta_bits = self.delta_scale = self.bias_delta = None
+    if num_slots > 1 and lora_rank > 0:
+      # LoRA slots: x·A_sᵀ·B_sᵀ·scale_s, stored as [S, in, r] and [S, r, out] (scale folded in).
+      self.lora_a = SlotBank(jnp.zeros((num_slots, in_features, lora_rank), jnp.float32))
+      self.lora_b = SlotBank(jnp.zeros((num_slots, lora_rank, out_features), jnp.float32))
+    else:
+      self.lora_a = self.lora_b = None
 
   @property
   def has_bank(self) -> bool:
@@ -97,6 +110,11 @@ class DeltaDense(nnx.Module):
         ids,
         group_k=self.group_k,
       ).reshape(b, t, self.out_features)
+      if self.lora_a is not None:
+        a = _rows(self.lora_a[...], slot_ids)  # [B, in, r]
+        bb = _rows(self.lora_b[...], slot_ids)  # [B, r, out]
+        xa = jnp.einsum("btk,bkr->btr", x_BxTxK.astype(jnp.float32), a)
+        y = (y.astype(jnp.float32) + jnp.einsum("btr,brn->btn", xa, bb)).astype(y.dtype)
     else:
       y = jnp.dot(x_BxTxK, kernel)
     if self.bias is not None:

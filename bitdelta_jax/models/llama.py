@@ -89,6 +89,7 @@ class Attention(nnx.Module):
       dtype=dtype,
       rngs=rngs,
       implementation=impl,
+      lora_rank=cfg.lora_rank,
     )
     self.k_proj = DeltaDense(
       d,
@@ -98,6 +99,7 @@ class Attention(nnx.Module):
       dtype=dtype,
       rngs=rngs,
       implementation=impl,
+      lora_rank=cfg.lora_rank,
     )
     self.v_proj = DeltaDense(
       d,
@@ -107,6 +109,7 @@ class Attention(nnx.Module):
       dtype=dtype,
       rngs=rngs,
       implementation=impl,
+      lora_rank=cfg.lora_rank,
     )
     self.o_proj = DeltaDense(
       cfg.num_heads * hd,
@@ -116,6 +119,7 @@ class Attention(nnx.Module):
       dtype=dtype,
       rngs=rngs,
       implementation=impl,
+      lora_rank=cfg.lora_rank,
     )
 
   def __call__(self, x, cos, sin, slot_ids, attend: Callable) -> jax.Array:
@@ -137,6 +141,7 @@ class MLP(nnx.Module):
       dtype=dtype,
       rngs=rngs,
       implementation=cfg.delta_implementation,
+      lora_rank=cfg.lora_rank,
     )
     self.gate_proj = DeltaDense(d, f, **kw)
     self.up_proj = DeltaDense(d, f, **kw)

@@ -127,6 +127,7 @@ def from_pretrained(
   *,
   num_slots: int = 1,
   dense_embedding_slots: bool = False,
+  lora_rank: int = 0,
   delta_implementation: str | None = None,
 ) -> LlamaForCausalLM:
   """Loads ``config.json`` + safetensors from a local HF directory.
@@ -136,6 +137,7 @@ def from_pretrained(
     dtype: parameter/activation dtype; None uses the config's ``dtype``/``torch_dtype``.
     num_slots: variant-bank size (slot 0 = base); 1 builds the plain base model.
     dense_embedding_slots: give embeddings / LM head per-slot dense delta banks.
+    lora_rank: per-slot LoRA factors up to this rank in every linear layer (0: none).
     delta_implementation: forced ``delta_matmul`` implementation (None = best available).
 
   Raises:
@@ -143,7 +145,8 @@ def from_pretrained(
     CheckpointError: missing, unexpected or misshapen tensors.
   """
   path = Path(path)
-  cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots)
+  cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots,
+                    lora_rank=lora_rank)
   cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
   dtype = _config_dtype(path) if dtype is None else dtype
   reader = CheckpointReader(path)

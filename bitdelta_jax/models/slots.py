@@ -25,6 +25,7 @@ the functional view.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any
@@ -61,9 +62,19 @@ def _targets(model) -> dict[str, tuple[Any, str]]:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class LoraEntry:
+  """A LoRA adapter's factors for one linear weight, Flax layout: ``a [in, r]``,
+  ``b [r, out]`` with the adapter's scale folded into ``b``."""
+
+  a: np.ndarray
+  b: np.ndarray
+
+
 def _bank(module, role: str) -> list[nnx.Variable | None]:
   if role == "linear":
-    return [module.delta_bits, module.delta_scale]
+    lora = [module.lora_a, module.lora_b] if getattr(module, "lora_a", None) is not None else []
+    return [module.delta_bits, module.delta_scale, *lora]
   if role == "bias":
     return [module.bias_delta]
   if role == "head":
@@ -125,6 +136,8 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
   """New bank rows for one entry, or None for "leave at zero"."""
   is_packed = isinstance(entry, PackedDelta)
   kind = None if is_packed else getattr(entry, "kind", None)
+  if isinstance(entry, LoraEntry):
+    kind = "lora"
   if not is_packed and kind is None:
     raise ValueError(f"tensor {name!r}: expected PackedDelta or Dense, got {type(entry).__name__}")
   if kind == "same":
@@ -137,6 +150,8 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
         f"bank: build it with dense_embedding_slots=True, or keep {name!r} equal to the base"
       )
     raise ValueError(f"tensor {name!r}: the model was built with num_slots=1 (no variant bank)")
+  if role == "linear" and isinstance(entry, LoraEntry):
+    return _lora_rows(name, module, entry)
   if role == "linear":
     if not is_packed:
       raise ValueError(
@@ -149,6 +164,36 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
       raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
     return [np.asarray(jax.device_get(_dense_of(entry)))]
   return [_dense_row(name, entry, _base(module, role), role)]
+
+
+def _lora_rows(name: str, module: DeltaDense, e: LoraEntry) -> list[np.ndarray | None]:
+  if module.lora_a is None:
+    raise ValueError(
+      f"tensor {name!r}: the model has no LoRA slots; build it with lora_rank >= the adapter's rank"
+    )
+  k, n = module.in_features, module.out_features
+  rank = module.lora_a[...].shape[-1]
+  r = e.a.shape[1]
+  if e.a.shape[0] != k or e.b.shape != (r, n):
+    raise ValueError(f"tensor {name!r}: LoRA factors {e.a.shape} / {e.b.shape} do not fit "
+                     f"the layer [{k}, {n}]")
+  if r > rank:
+    raise ValueError(f"tensor {name!r}: LoRA rank {r} exceeds the model's lora_rank {rank}")
+  a = np.zeros((k, rank), np.float32)
+  b = np.zeros((rank, n), np.float32)
+  a[:, :r], b[:r] = e.a, e.b
+  return [None, None, a, b]  # 1-bit bank rows stay zero (α = 0)
+
+
+def load_lora(model, slot: int, adapter) -> None:
+  """Writes a PEFT LoRA adapter (`bitdelta_jax.merge.lora.LoraAdapter`) into ``slot``."""
+  delta = {}
+  for module_name, m in adapter.modules.items():
+    if m.fan_in_fan_out:
+      raise ValueError(f"module {module_name!r}: fan_in_fan_out adapters are not for Llama layers")
+    delta[f"{module_name}.weight"] = LoraEntry(
+      a=np.asarray(m.A, np.float32).T, b=(m.scale * np.asarray(m.B, np.float32)).T)
+  load_variant(model, slot, delta)
 
 
 def _dense_of(pd: PackedDelta) -> np.ndarray:
@@ -170,7 +215,7 @@ def load_variant(model, slot: int, delta: Mapping[str, Any]) -> None:
     rows = _rows_for(name, module, role, delta[name]) if name in delta else None
     for i, var in enumerate(_bank(module, role)):
       if var is not None:
-        updates[id(var)] = (var, None if rows is None else rows[i])
+        updates[id(var)] = (var, None if rows is None or i >= len(rows) else rows[i])
   s = jnp.int32(slot)
   for var, row in updates.values():
     bank = var[...]

@@ -1,0 +1,470 @@
+"""The aiohttp application: OpenAI-compatible routes, admin routes, health and metrics.
+
+    app, server = build_app(cfg)            # startup loads the model on the device thread
+    handle = ServerThread(cfg).start()      # a real server on a loopback port (tests, bench)
+    handle.url, handle.server, handle.stop()
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` → SSE ending in
+``data: [DONE]``), ``GET /v1/models`` (+ ``/v1/models/{id}``), ``GET /health``,
+``GET /metrics``, and admin ``GET|POST /v1/variants``, ``DELETE /v1/variants/{name}``.
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+Every failure is an OpenAI error object; an unexpected exception is a 500, never a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hmac
+import logging
+import threading
+import time
+
+from aiohttp import web
+
+from bitdelta_jax.delta.compress import DeltaMismatchError
+from bitdelta_jax.delta.store import DeltaStoreError, check_base, load_delta
+from serving import protocol as P
+from serving.cache import DeltaCache, LoadError
+from serving.config import ConfigError, ServerConfig
+from serving.engine import Engine, Event, GenRequest
+from serving.metrics import CONTENT_TYPE_LATEST, Metrics
+from serving.registry import Registry, RegistryError, changes_embeddings
+from serving.router import Router, UnknownModel
+
+log = logging.getLogger("serving.app")
+SERVER_KEY = web.AppKey("server", object)
+MAX_BODY = web.AppKey("max_body", int)
+
+
+class Server:
+  """Owns the engine, registry, cache and router of one running server."""
+
+  def __init__(self, cfg: ServerConfig):
+    self.cfg = cfg
+    self.metrics = Metrics()
+    self.io = concurrent.futures.ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="bitdelta-io")
+    self.tokenizer = None
+    self.engine: Engine | None = None
+    self.registry: Registry | None = None
+    self.cache: DeltaCache | None = None
+    self.router: Router | None = None
+    self.base_fp: dict | None = None
+    self.started = time.time()
+
+  # -- lifecycle -------------------------------------------------------------------------------
+  async def startup(self, _app=None) -> None:
+    from bitdelta_jax.delta.stream import fingerprint_checkpoint
+    from bitdelta_jax.models.tokenizer import Tokenizer
+
+    cfg, loop = self.cfg, asyncio.get_running_loop()
+    self.tokenizer = await loop.run_in_executor(self.io, Tokenizer.from_dir, cfg.base)
+    manifests = await loop.run_in_executor(self.io, _read_manifests, cfg.variants)
+    emb = cfg.embedding_slots
+    if emb is None:
+      emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
+    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb)
+    self.base_fp = await loop.run_in_executor(
+      self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
+    for name, path in cfg.variants:
+      name, p = self.registry.check(name, path, source="config")
+      try:
+        nbytes = await loop.run_in_executor(self.io, self.registry.inspect, p, self._base_check)
+        err = None
+      except (RegistryError, DeltaStoreError, DeltaMismatchError) as e:
+        nbytes, err = 0, str(e)
+      v = self.registry.add(name, p, nbytes, source="config")
+      if err:  # keep serving the others; requests for this one get the error
+        log.warning("variant %s: %s", name, err)
+        v.load_error = err
+    self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb)
+    await asyncio.wrap_future(self.engine.start())
+    self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
+                            write_slot=self._write_slot, io_pool=self.io)
+    self.router = Router(self.registry, self.cache, self.metrics)
+    for v in self.registry.all():
+      v.pinned = v.name in cfg.pins
+      self.metrics.set_tier(v.name, "disk")
+    for name in cfg.pins:
+      try:
+        await self.cache.preload(self.registry.get(name))
+      except LoadError as e:  # serve the rest; requests for it get the error
+        log.warning("pinned %s", e)
+
+  async def cleanup(self, _app=None) -> None:
+    if self.engine is not None:
+      await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+    self.io.shutdown(wait=False, cancel_futures=True)
+
+  def _base_check(self, manifest: dict, where: str) -> None:
+    check_base(manifest, self.base_fp, where=where)
+
+  def _read_delta(self, v) -> dict:  # IO thread
+    return load_delta(v.path, base_fingerprint=self.base_fp)[0]
+
+  def _write_slot(self, slot: int, delta) -> concurrent.futures.Future:
+    return self.engine.call(lambda gen: gen.load_variant(slot, delta))
+
+  # -- generation ------------------------------------------------------------------------------
+  async def completions(self, request: web.Request) -> web.StreamResponse:
+    return await self._generate(request, chat=False)
+
+  async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+    return await self._generate(request, chat=True)
+
+  async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+    from bitdelta_jax.models.sampling import SamplingParams
+
+    arrival = time.perf_counter()
+    endpoint = "chat" if chat else "completions"
+    body = P.parse_json(await request.read())
+    model = P.model_of(body)
+    if not self.router.knows(model):
+      raise _unknown(model)
+    if chat:
+      msgs = P.messages_of(body)
+      try:
+        prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+      except Exception as e:  # noqa: BLE001  a template that rejects these messages
+        raise P.invalid("messages", f"the chat template rejected them ({e})") from None
+    else:
+      prompt = P.prompt_of(body, self.tokenizer, self.engine.vocab_size)
+    opts = P.options_of(body, chat=chat)
+    cfg = self.cfg
+    if len(prompt) > cfg.max_prompt_tokens:
+      raise P.ApiError(
+        400, f"the prompt is {len(prompt)} tokens; this model's context is {cfg.max_seq_len} "
+        f"tokens, so prompts may have at most {cfg.max_prompt_tokens}",
+        param="messages" if chat else "prompt", code="context_length_exceeded")
+    room = cfg.max_seq_len - len(prompt)
+    max_tokens = min(opts.max_tokens or cfg.default_max_tokens, room)
+    params = SamplingParams(
+      temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
+      max_new_tokens=max_tokens, stop_token_ids=() if opts.ignore_eos else self.engine.eos_ids,
+      stop_strings=opts.stop)
+    if not self.engine.alive:
+      raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
+
+    try:
+      lease = await self.router.acquire(model)
+    except UnknownModel:  # deleted meanwhile
+      raise _unknown(model) from None
+    except LoadError as e:
+      self.metrics.requests.labels(model, endpoint, "503").inc()
+      raise P.ApiError(503, str(e), code="variant_load_failed",
+                       headers={"Retry-After": str(max(1, int(cfg.load_retry_s)))}) from None
+
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def deliver(ev: Event) -> None:  # event loop
+      if ev.kind in ("done", "error"):
+        lease.release()  # the engine has let go of the row, hence of the slot
+      events.put_nowait(ev)
+
+    req = GenRequest(prompt=list(prompt), slot=lease.slot, params=params, model=model,
+                     emit=lambda ev: loop.call_soon_threadsafe(deliver, ev), arrival=arrival)
+    self.metrics.prompt_tokens.labels(model).inc(len(prompt))
+    finished = False
+    try:
+      self.engine.submit(req)
+      rid, created = P.new_id(chat), P.now()
+      if opts.stream:
+        resp = await self._stream(request, req, events, rid, created, model, chat, opts,
+                                  len(prompt))
+        finished = True
+        self.metrics.requests.labels(model, endpoint, "200").inc()
+        return resp
+      parts, ev = [], None
+      while True:
+        ev = await events.get()
+        if ev.kind == "error":
+          finished = True
+          raise P.ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
+        parts.append(ev.text)
+        if ev.kind == "done":
+          break
+      finished = True
+      self.metrics.requests.labels(model, endpoint, "200").inc()
+      return web.json_response(P.completion(
+        rid, model, "".join(parts), ev.finish_reason, P.usage(len(prompt), ev.completion_tokens),
+        chat=chat, created=created))
+    finally:
+      if not finished:
+        req.cancelled = True  # the engine frees the row at its next step, then releases
+
+  async def _stream(self, request, req, events, rid, created, model, chat, opts,
+                    prompt_tokens) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+      if chat:
+        await resp.write(P.sse(P.chunk(rid, model, chat=True, created=created, text="", role=True)))
+      while True:
+        ev = await events.get()
+        if ev.kind == "error":
+          await resp.write(P.sse(P.error_body(f"generation failed: {ev.message}", "server_error",
+                                              code="generation_failed")))
+          break
+        if ev.text:
+          await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created, text=ev.text)))
+        if ev.kind == "done":
+          await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created,
+                                         text=None if chat else "", finish=ev.finish_reason)))
+          if opts.include_usage:
+            await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created, empty=True,
+                                           use=P.usage(prompt_tokens, ev.completion_tokens))))
+          break
+      await resp.write(P.sse("[DONE]"))
+      await resp.write_eof()
+    except ConnectionError:  # the client went away: free the row, nothing to answer
+      req.cancelled = True
+    except asyncio.CancelledError:
+      req.cancelled = True
+      raise
+    return resp
+
+  # -- models ----------------------------------------------------------------------------------
+  def _model_obj(self, name: str, created: float, parent: str | None) -> dict:
+    return {"id": name, "object": "model", "created": int(created), "owned_by": "bitdelta-jax",
+            "root": self.cfg.model_id, "parent": parent}
+
+  async def models(self, request: web.Request) -> web.Response:
+    base = self.cfg.model_id
+    data = [self._model_obj(base, self.started, None)]
+    data += [self._model_obj(v.name, v.registered_at, base) for v in self.registry.all()]
+    return web.json_response({"object": "list", "data": data})
+
+  async def model(self, request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name == self.cfg.model_id:
+      return web.json_response(self._model_obj(name, self.started, None))
+    v = self.registry.get(name)
+    if v is None:
+      raise _unknown(name)
+    return web.json_response(self._model_obj(v.name, v.registered_at, self.cfg.model_id))
+
+  # -- admin -----------------------------------------------------------------------------------
+  def _variant_info(self, v) -> dict:
+    top = self.cache.top_n()
+    return {
+      "id": v.name, "object": "variant", "parent": self.cfg.model_id, "path": str(v.path),
+      "source": v.source, "tier": self.cache.tier(v), "bytes": v.nbytes,
+      "host_bytes": v.host_bytes, "device_slot": v.slot if self.cache.tier(v) == "device" else None,
+      "loading": v.name in self.cache.loading, "loads": v.loads,
+      "last_load_time": v.last_load_time, "last_load_seconds": v.last_load_seconds,
+      "last_load_source": v.last_load_source, "requests": v.requests, "in_flight": v.in_flight,
+      "pinned": "explicit" if v.name in self.cache.explicit_pins else (
+        "top_n" if v.name in top else None),
+      "request_rate": round(v.decayed_rate(self.cache.clock(), self.cfg.rate_half_life_s), 4),
+      "last_error": v.load_error, "created": int(v.registered_at),
+    }
+
+  async def list_variants(self, request: web.Request) -> web.Response:
+    return web.json_response({"object": "list",
+                              "data": [self._variant_info(v) for v in self.registry.all()],
+                              **self.cache.snapshot()})
+
+  async def add_variant(self, request: web.Request) -> web.Response:
+    body = P.parse_json(await request.read())
+    name, path = body.get("name"), body.get("path")
+    if name is None:
+      raise P.invalid("name", "is required")
+    if path is None:
+      raise P.invalid("path", "is required")
+    try:
+      name, p = self.registry.check(name, path, source="admin")
+      nbytes = await asyncio.get_running_loop().run_in_executor(
+        self.io, self.registry.inspect, p, self._base_check)
+      v = self.registry.add(name, p, nbytes, source="admin")
+    except RegistryError as e:
+      raise P.ApiError(e.status, str(e), param=e.param, code=e.code) from None
+    except (DeltaStoreError, DeltaMismatchError) as e:
+      raise P.ApiError(400, f"path: {e}", param="path", code="invalid_delta") from None
+    self.metrics.set_tier(v.name, "disk")
+    log.info("registered variant %s -> %s", v.name, v.path)
+    return web.json_response(self._variant_info(v), status=201)
+
+  async def delete_variant(self, request: web.Request) -> web.Response:
+    name = request.match_info["name"]
+    if name == self.cfg.model_id:
+      raise P.ApiError(400, "the base model cannot be deleted", param="name")
+    try:
+      v = await self.registry.remove(name, self.cache.drop)
+    except KeyError:
+      raise _unknown(name) from None
+    log.info("deleted variant %s", name)
+    return web.json_response({"id": v.name, "object": "model", "deleted": True})
+
+  # -- health / metrics ------------------------------------------------------------------------
+  async def health(self, request: web.Request) -> web.Response:
+    e = self.engine
+    ok = e is not None and e.alive
+    return web.json_response({
+      "status": "ok" if ok else "unavailable", "model": self.cfg.model_id,
+      "variants": len(self.registry.all()) if self.registry else 0,
+      "active_rows": e.active_rows if e else 0, "queue_depth": e.queue_depth if e else 0,
+      "uptime_s": round(time.time() - self.started, 3),
+    }, status=200 if ok else 503)
+
+  async def metrics_route(self, request: web.Request) -> web.Response:
+    return web.Response(body=self.metrics.render(),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _read_manifests(variants) -> dict:
+  from bitdelta_jax.delta.store import read_manifest
+
+  out = {}
+  for name, path in variants:
+    try:
+      out[name] = read_manifest(path)
+    except (DeltaStoreError, OSError) as e:
+      out[name] = e
+  return out
+
+
+def _unknown(model) -> P.ApiError:
+  return P.ApiError(404, f"the model {model!r} does not exist", param="model",
+                    code="model_not_found")
+
+
+# -- middleware -------------------------------------------------------------------------------
+@web.middleware
+async def _errors(request: web.Request, handler):
+  try:
+    return await handler(request)
+  except P.ApiError as e:
+    return web.json_response(e.body(), status=e.status, headers=e.headers)
+  except web.HTTPException as e:
+    if e.status < 400:
+      raise
+    msg = {413: f"the request body is larger than the limit ({request.app[MAX_BODY]} bytes)"}
+    body = P.error_body(msg.get(e.status, e.reason), "invalid_request_error",
+                        code={404: "not_found", 405: "method_not_allowed",
+                              413: "request_too_large"}.get(e.status))
+    headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
+    return web.json_response(body, status=e.status, headers=headers)
+  except (ConnectionError, asyncio.CancelledError):
+    raise
+  except Exception as e:  # noqa: BLE001  nothing crashes the server
+    log.exception("unhandled error in %s %s", request.method, request.path)
+    return web.json_response(
+      P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status=500)
+
+
+def _auth(api_key: str | None):
+  @web.middleware
+  async def auth(request: web.Request, handler):
+    if api_key is not None and request.path != "/health":
+      header = request.headers.get("Authorization", "")
+      token = header[7:].strip() if header[:7].lower() == "bearer " else None
+      if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
+        return web.json_response(P.error_body(
+          "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+          "invalid_request_error", code="invalid_api_key"), status=401,
+          headers={"WWW-Authenticate": "Bearer"})
+    return await handler(request)
+
+  return auth
+
+
+def build_app(cfg: ServerConfig) -> tuple[web.Application, Server]:
+  server = Server(cfg)
+  app = web.Application(client_max_size=cfg.max_body_bytes,
+                        middlewares=[_errors, _auth(cfg.api_key)])
+  app[MAX_BODY] = cfg.max_body_bytes
+  app[SERVER_KEY] = server
+  app.on_startup.append(server.startup)
+  app.on_cleanup.append(server.cleanup)
+  r = app.router
+  r.add_post("/v1/completions", server.completions)
+  r.add_post("/v1/chat/completions", server.chat_completions)
+  r.add_get("/v1/models", server.models)
+  r.add_get("/v1/models/{name}", server.model)
+  r.add_get("/v1/variants", server.list_variants)
+  r.add_post("/v1/variants", server.add_variant)
+  r.add_delete("/v1/variants/{name}", server.delete_variant)
+  r.add_get("/health", server.health)
+  r.add_get("/metrics", server.metrics_route)
+  return app, server
+
+
+# -- running ----------------------------------------------------------------------------------
+async def start_site(cfg: ServerConfig) -> tuple[web.AppRunner, Server, int]:
+  app, server = build_app(cfg)
+  runner = web.AppRunner(app, access_log=None, handle_signals=False)
+  try:
+    await runner.setup()  # runs startup: model load + compile on the device thread
+  except BaseException:
+    await runner.cleanup()
+    raise
+  site = web.TCPSite(runner, cfg.host, cfg.port)
+  await site.start()
+  port = site._server.sockets[0].getsockname()[1]  # the real port when cfg.port == 0
+  return runner, server, port
+
+
+class ServerThread:
+  """A real server on its own event loop in a background thread (tests, benchmarks)."""
+
+  def __init__(self, cfg: ServerConfig):
+    self.cfg = cfg
+    self.loop: asyncio.AbstractEventLoop | None = None
+    self.server: Server | None = None
+    self.port: int | None = None
+    self._ready = threading.Event()
+    self._error: BaseException | None = None
+    self._thread: threading.Thread | None = None
+
+  @property
+  def url(self) -> str:
+    return f"http://{self.cfg.host}:{self.port}"
+
+  def start(self, timeout: float = 600) -> ServerThread:
+    self._thread = threading.Thread(target=self._run, name="bitdelta-http", daemon=True)
+    self._thread.start()
+    if not self._ready.wait(timeout):
+      raise TimeoutError("server did not start")
+    if self._error is not None:
+      raise self._error
+    return self
+
+  def _run(self) -> None:
+    loop = self.loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+      runner, self.server, self.port = loop.run_until_complete(start_site(self.cfg))
+    except BaseException as e:  # noqa: BLE001
+      self._error = e
+      self._ready.set()
+      loop.close()
+      return
+    self._ready.set()
+    try:
+      loop.run_forever()
+    finally:
+      loop.run_until_complete(runner.cleanup())
+      loop.close()
+
+  def call(self, fn, timeout: float = 60):
+    """Runs ``fn()`` (a coroutine function or plain function) on the server's loop."""
+    async def wrap():
+      r = fn()
+      return await r if asyncio.iscoroutine(r) else r
+    return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
+
+  def stop(self) -> None:
+    if self.loop is not None and self._thread is not None and self._thread.is_alive():
+      self.loop.call_soon_threadsafe(self.loop.stop)
+      self._thread.join(60)
+
+  def __enter__(self) -> ServerThread:
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
+
+__all__ = ["ConfigError", "Server", "ServerThread", "build_app", "start_site"]

@@ -1,0 +1,186 @@
+"""``bitdelta serve`` / ``bitdelta demo``: build a `ServerConfig` from flags (and a config file).
+
+    from serving.cli import add_serve_parsers, run_server, demo_config
+    add_serve_parsers(subparsers)              # registers "serve" (args.func = cmd_serve)
+    add_demo_parser(subparsers)                # registers "demo" with serve's options (optional)
+    run_server(ServerConfig(...))              # blocks until SIGINT / SIGTERM
+
+Precedence: a flag given on the command line > the ``--config`` file > the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from serving.config import ConfigError, ServerConfig
+
+# flag dest -> ServerConfig field (flags left unset do not override the config file)
+_FIELDS = {
+  "base_name": "base_name", "host": "host", "port": "port", "api_key": "api_key",
+  "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
+  "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
+  "default_max_tokens": "default_max_tokens",
+}
+
+
+def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False) -> None:
+  """The options shared by ``serve`` and ``demo``."""
+  p.add_argument("--base", required=require_base, metavar="DIR",
+                 help="base model: an HF directory with tokenizer.json")
+  p.add_argument("--variant", action="append", default=[], metavar="NAME=DELTA_DIR",
+                 help="serve a variant (repeatable)")
+  p.add_argument("--config", metavar="FILE", help="JSON config file (same field names)")
+  p.add_argument("--base-name", help="the base's model id (default: its directory name)")
+  p.add_argument("--host", help="bind address (default 127.0.0.1)")
+  p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
+  p.add_argument("--api-key", default=os.environ.get("BITDELTA_API_KEY"),
+                 help="require 'Authorization: Bearer KEY' (default: $BITDELTA_API_KEY)")
+  p.add_argument("--device-slots", type=int, metavar="N", help="variant slots on the device (4)")
+  p.add_argument("--host-cache-mb", type=float, metavar="M",
+                 help="host memory for loaded deltas, MiB (1024)")
+  p.add_argument("--pin", action="append", default=[], metavar="NAME",
+                 help="keep this variant in a device slot (repeatable)")
+  p.add_argument("--top-n-pin", type=int, metavar="N",
+                 help="also protect the N busiest variants from eviction (0)")
+  p.add_argument("--max-batch", type=int, metavar="B", help="decode rows (8)")
+  p.add_argument("--max-seq-len", type=int, metavar="L", help="context length (512)")
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request omits it")
+  p.add_argument("--variant-root", action="append", default=[], metavar="DIR",
+                 help="POST /v1/variants paths must lie under one of these (repeatable)")
+  p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+
+
+def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
+  p = subparsers.add_parser(
+    "serve", help="serve a base and its variants (OpenAI-compatible HTTP)",
+    description="Serves one base model and its 1-bit variants behind one OpenAI-compatible "
+                "endpoint; a request's 'model' picks the variant.")
+  add_serve_options(p)
+  p.set_defaults(func=cmd_serve, fn=cmd_serve)
+  return p
+
+
+def add_demo_parser(subparsers) -> argparse.ArgumentParser:
+  p = subparsers.add_parser("demo", help="serve the built-in model family")
+  add_serve_options(p)
+  p.set_defaults(func=cmd_demo, fn=cmd_demo)
+  return p
+
+
+def _parse_variants(items: list[str]) -> tuple[tuple[str, str], ...]:
+  out = []
+  for it in items:
+    name, sep, path = it.partition("=")
+    if not sep or not name or not path:
+      raise ConfigError(f"--variant: expected NAME=DELTA_DIR, got {it!r}")
+    out.append((name, path))
+  return tuple(out)
+
+
+def config_from_args(args, *, base: str | None = None,
+                     variants: tuple[tuple[str, str], ...] = ()) -> ServerConfig:
+  """Defaults < config file < flags; ``base``/``variants`` seed the defaults (demo)."""
+  d: dict = {}
+  if base is not None:
+    d["base"] = base
+  if variants:
+    d["variants"] = dict(variants)
+  if getattr(args, "config", None):
+    file_cfg = ServerConfig.from_file(args.config)
+    d.update({k: v for k, v in file_cfg.__dict__.items()})
+    d["variants"] = {**dict(variants), **dict(file_cfg.variants)}
+  if args.base:
+    d["base"] = args.base
+  if "base" not in d:
+    raise ConfigError("base: give --base DIR or a --config file with 'base'")
+  flag_variants = _parse_variants(args.variant)
+  if flag_variants:
+    d["variants"] = {**dict(d.get("variants", {})), **dict(flag_variants)}
+  d["variants"] = tuple(dict(d.get("variants", {})).items())
+  for dest, field in _FIELDS.items():
+    v = getattr(args, dest, None)
+    if v is not None:
+      d[field] = v
+  if args.pin:
+    d["pins"] = tuple(dict.fromkeys(list(d.get("pins", ())) + list(args.pin)))
+  if args.variant_root:
+    d["admin_roots"] = tuple(args.variant_root)
+  if args.no_warmup:
+    d["warmup"] = False
+  return ServerConfig(**d)
+
+
+def cmd_serve(args) -> int:
+  run_server(config_from_args(args))
+  return 0
+
+
+def cmd_demo(args) -> int:
+  cfg = demo_config()
+  run_server(config_from_args(args, base=cfg.base, variants=cfg.variants), demo=True)
+  return 0
+
+
+def demo_config(**overrides) -> ServerConfig:
+  """The built-in family (`bitdelta_jax.zoo.shipped_family`) as a server config."""
+  try:
+    from bitdelta_jax.zoo import shipped_family
+  except ImportError as e:
+    raise RuntimeError(
+      f"the built-in model family is not available (bitdelta_jax.zoo.shipped_family: {e}); "
+      "serve your own with: bitdelta serve --base DIR --variant NAME=DELTA_DIR") from None
+  base_dir, variants = shipped_family()
+  kw = dict(base=str(base_dir), variants=tuple((n, str(p)) for n, p in sorted(variants.items())),
+            device_slots=min(8, max(1, len(variants))))
+  kw.update(overrides)
+  return ServerConfig(**kw)
+
+
+def banner(cfg: ServerConfig, url: str) -> str:
+  names = [n for n, _ in cfg.variants]
+  example = names[0] if names else cfg.model_id
+  auth = f' -H "Authorization: Bearer {cfg.api_key}"' if cfg.api_key else ""
+  return "\n".join([
+    f"serving {cfg.model_id} and {len(names)} variant(s) at {url}",
+    f"  variants: {', '.join(names) or '(none)'}",
+    f"  models:   curl{auth} {url}/v1/models",
+    f"  complete: curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
+    f"              -d '{{\"model\": \"{example}\", \"messages\": [{{\"role\": \"user\", "
+    f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'",
+    "  python:   from openai import OpenAI; c = OpenAI(base_url="
+    f"'{url}/v1', api_key='{cfg.api_key or 'none'}')",
+    f"  admin:    GET {url}/v1/variants   metrics: GET {url}/metrics   (Ctrl-C stops)",
+  ])
+
+
+def run_server(config: ServerConfig, *, demo: bool = False) -> None:
+  """Runs the server in the foreground until SIGINT / SIGTERM."""
+  import logging
+
+  from serving.app import start_site
+
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+  async def main():
+    print(f"loading {config.base} ({len(config.variants)} variants)...", file=sys.stderr)
+    runner, _server, port = await start_site(config)
+    host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    print(banner(config, f"http://{host}:{port}"), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      try:
+        loop.add_signal_handler(sig, stop.set)
+      except (NotImplementedError, RuntimeError):
+        pass
+    try:
+      await stop.wait()
+    finally:
+      await runner.cleanup()
+
+  asyncio.run(main())

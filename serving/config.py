@@ -1,0 +1,180 @@
+"""Server configuration: one frozen dataclass, built by the CLI or from a JSON file.
+
+    cfg = ServerConfig(base="ckpt/base", variants=(("math", "deltas/math"),), device_slots=4)
+    cfg = ServerConfig.from_file("serve.json", port=9000)      # file, then overrides
+    cfg = cfg.replace(port=0)
+
+A config file holds the same field names (``variants`` as an object ``{name: path}``; relative
+paths are resolved against the file's directory). Every value is checked in ``__post_init__``;
+an invalid one raises `ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+# Variant / model names: what may appear in a request's ``model`` field. No slashes, no "..".
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+class ConfigError(ValueError):
+  """An invalid server configuration value."""
+
+
+def check_name(name: Any, what: str = "name") -> str:
+  if not isinstance(name, str) or not NAME_RE.match(name) or ".." in name:
+    raise ConfigError(
+      f"{what} {name!r} is not a valid model name (letters, digits, '_', '.', '-'; at most 128 "
+      f"characters; starting with a letter or digit)"
+    )
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """Everything `serving.app` needs; see ``bitdelta serve --help`` for the meaning of each."""
+
+  base: str
+  variants: tuple[tuple[str, str], ...] = ()
+  base_name: str | None = None  # the base's model id; default: the base directory's name
+  host: str = "127.0.0.1"
+  port: int = 8000
+  api_key: str | None = None
+  device_slots: int = 4  # variant slots on the device (the model gets device_slots + 1; 0 = base)
+  host_cache_mb: float = 1024.0
+  pins: tuple[str, ...] = ()
+  top_n_pin: int = 0
+  max_batch: int = 8  # decode rows
+  max_seq_len: int = 512
+  buckets: tuple[int, ...] = ()  # prefill lengths; default: powers of two from 32 to max_seq_len
+  dtype: str = "float32"
+  max_body_bytes: int = 1 << 20
+  default_max_tokens: int = 128
+  rate_half_life_s: float = 60.0  # decay of the per-variant request-rate counter (eviction)
+  load_retry_s: float = 5.0  # after a failed load, requests fail fast for this long
+  admin_roots: tuple[str, ...] = ()  # if set, POST /v1/variants paths must lie under one
+  verify_base: bool = True  # check each delta's base fingerprint (crc of every base tensor)
+  embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
+  warmup: bool = True  # compile every prefill bucket and the decode step before serving
+  io_threads: int = 2
+
+  def __post_init__(self):
+    def need(cond: bool, field: str, msg: str):
+      if not cond:
+        raise ConfigError(f"{field}: {msg}")
+
+    need(isinstance(self.base, str) and self.base != "", "base", "a base model directory is required")
+    need(0 <= int(self.port) < 65536, "port", f"must be in [0, 65535], got {self.port}")
+    need(self.device_slots >= 1, "device_slots", f"must be >= 1, got {self.device_slots}")
+    need(self.host_cache_mb >= 0, "host_cache_mb", f"must be >= 0, got {self.host_cache_mb}")
+    need(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
+    need(self.max_seq_len >= 8, "max_seq_len", f"must be >= 8, got {self.max_seq_len}")
+    need(self.top_n_pin >= 0, "top_n_pin", f"must be >= 0, got {self.top_n_pin}")
+    need(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
+    need(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
+    need(self.rate_half_life_s > 0, "rate_half_life_s", "must be > 0")
+    need(self.io_threads >= 1, "io_threads", "must be >= 1")
+    need(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
+         f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+    names = [check_name(n, "variant name") for n, _ in self.variants]
+    need(len(set(names)) == len(names), "variants", "duplicate variant name")
+    if self.base_name is not None:
+      check_name(self.base_name, "base_name")
+    need(self.model_id not in names, "variants", f"a variant is named like the base ({self.model_id!r})")
+    for p in self.pins:
+      need(p in names, "pins", f"pinned variant {p!r} is not among the configured variants")
+    need(len(set(self.pins)) + self.top_n_pin <= self.device_slots, "pins",
+         f"{len(set(self.pins))} explicit pins + top_n_pin {self.top_n_pin} exceed device_slots "
+         f"{self.device_slots}")
+    for b in self.buckets:
+      need(0 < b <= self.max_seq_len, "buckets", f"bucket {b} must be in (0, max_seq_len]")
+
+  # -- derived -------------------------------------------------------------------------------
+  @property
+  def model_id(self) -> str:
+    return self.base_name or Path(self.base).resolve().name or "base"
+
+  @property
+  def host_cache_bytes(self) -> int:
+    return int(self.host_cache_mb * (1 << 20))
+
+  @property
+  def prefill_buckets(self) -> tuple[int, ...]:
+    if self.buckets:
+      return tuple(sorted(set(self.buckets)))
+    out, b = [], 32
+    while b < self.max_seq_len:
+      out.append(b)
+      b *= 2
+    return tuple(out + [self.max_seq_len])
+
+  @property
+  def max_prompt_tokens(self) -> int:
+    """Longest prompt accepted: it must fit a bucket and leave room for one generated token."""
+    return min(self.prefill_buckets[-1], self.max_seq_len - 1)
+
+  def replace(self, **kw) -> ServerConfig:
+    return dataclasses.replace(self, **kw)
+
+  # -- files ---------------------------------------------------------------------------------
+  @classmethod
+  def from_dict(cls, d: Mapping[str, Any], *, root: str | os.PathLike | None = None,
+                **overrides) -> ServerConfig:
+    """Builds a config from a JSON-like mapping; relative paths resolve against ``root``."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - fields)
+    if unknown:
+      raise ConfigError(f"{unknown[0]}: unknown config field (known: {', '.join(sorted(fields))})")
+    kw = dict(d)
+
+    def path(p: Any, field: str) -> str:
+      if not isinstance(p, str) or not p:
+        raise ConfigError(f"{field}: expected a path string, got {p!r}")
+      return str(Path(root) / p) if root is not None and not os.path.isabs(p) else p
+
+    if "base" in kw:
+      kw["base"] = path(kw["base"], "base")
+    if "variants" in kw:
+      v = kw["variants"]
+      items = v.items() if isinstance(v, Mapping) else v
+      try:
+        kw["variants"] = tuple((str(n), path(p, f"variants.{n}")) for n, p in items)
+      except (TypeError, ValueError) as e:
+        raise ConfigError(f"variants: expected {{name: path}} ({e})") from None
+    for key in ("pins", "buckets", "admin_roots"):
+      if key in kw:
+        if not isinstance(kw[key], list | tuple):
+          raise ConfigError(f"{key}: expected a list, got {type(kw[key]).__name__}")
+        kw[key] = tuple(kw[key])
+    if "admin_roots" in kw:
+      kw["admin_roots"] = tuple(path(p, "admin_roots") for p in kw["admin_roots"])
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+      return cls(**kw)
+    except TypeError as e:
+      raise ConfigError(str(e)) from None
+
+  @classmethod
+  def from_file(cls, path: str | os.PathLike, **overrides) -> ServerConfig:
+    p = Path(path)
+    try:
+      d = json.loads(p.read_text())
+    except OSError as e:
+      raise ConfigError(f"{p}: cannot read config file ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(d, dict):
+      raise ConfigError(f"{p}: a config file holds a JSON object")
+    return cls.from_dict(d, root=p.parent, **overrides)
+
+  def to_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d["variants"] = dict(self.variants)
+    d["api_key"] = None if self.api_key is None else "***"
+    return d

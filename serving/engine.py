@@ -1,0 +1,273 @@
+"""The device thread: it alone touches JAX. Continuous batching over a fixed set of decode rows.
+
+    engine = Engine(cfg, metrics, tokenizer)
+    ready = engine.start()                     # concurrent.futures.Future: model loaded, compiled
+    engine.submit(GenRequest(...))             # thread-safe; events come back via req.emit
+    await asyncio.wrap_future(engine.call(lambda gen: gen.load_variant(slot, delta)))
+
+Loop (JetStream shape): run queued calls (slot loads) → admit new requests into free rows
+(``prefill`` at the prompt's bucket → first token → ``insert(row)``) → one ``step`` over all
+rows, whose per-row slot ids mix variants in the same batch → hand each row's token to its
+request. New requests therefore join between decode steps. Stops (EOS, stop strings, max
+tokens, context) are applied here on the host, so a finished row is freed at once.
+
+Each request's ``emit`` is called on this thread with `Event`s; the server's ``emit`` forwards
+them to the event loop with ``loop.call_soon_threadsafe``. The last event is always ``done``
+or ``error``, sent once the row no longer reads the request's variant slot.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from serving.config import ServerConfig
+from serving.metrics import Metrics
+
+log = logging.getLogger("serving.engine")
+
+
+@dataclasses.dataclass
+class Event:
+  kind: str  # "token" | "done" | "error"
+  text: str = ""
+  finish_reason: str | None = None
+  completion_tokens: int = 0
+  message: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class GenRequest:
+  """One generation. ``params`` is a `bitdelta_jax.models.sampling.SamplingParams` whose
+  ``max_new_tokens`` is already capped by the context; stop strings are handled here."""
+
+  prompt: list[int]
+  slot: int
+  params: object
+  model: str
+  emit: Callable[[Event], None]
+  arrival: float = dataclasses.field(default_factory=time.perf_counter)
+  cancelled: bool = False
+  # engine-side
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  sent: int = 0  # characters of the decoded text already emitted
+  t_last: float = 0.0
+
+
+class Engine:
+  def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *,
+               embedding_slots: bool = False, model_factory: Callable | None = None):
+    self.cfg, self.metrics, self.tokenizer = cfg, metrics, tokenizer
+    self.embedding_slots = embedding_slots
+    self._model_factory = model_factory
+    self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread: threading.Thread | None = None
+    self._ready: concurrent.futures.Future = concurrent.futures.Future()
+    self.gen = None
+    self.vocab_size = 0
+    # read (not written) by the event loop: plain ints are safe to read across threads
+    self.active_rows = 0
+    self.queue_depth = 0
+    self.steps = 0
+    self.alive = False
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
+    self.eos_ids = () if eos is None else (eos,)
+
+  # -- public (any thread) -----------------------------------------------------------------
+  def start(self) -> concurrent.futures.Future:
+    self._thread = threading.Thread(target=self._main, name="bitdelta-device", daemon=True)
+    self._thread.start()
+    return self._ready
+
+  def submit(self, req: GenRequest) -> None:
+    self.queue_depth += 1  # approximate (racy by one at worst); the device thread corrects it
+    self._inbox.put(("req", req))
+
+  def call(self, fn: Callable) -> concurrent.futures.Future:
+    """Runs ``fn(generator)`` on the device thread between decode steps."""
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    self._inbox.put(("call", fn, fut))
+    return fut
+
+  def stop(self, timeout: float = 30.0) -> None:
+    if self._thread is not None and self._thread.is_alive():
+      self._inbox.put(("stop",))
+      self._thread.join(timeout)
+
+  # -- device thread -----------------------------------------------------------------------
+  def _build(self):
+    import jax.numpy as jnp
+
+    from bitdelta_jax.models import from_pretrained
+    from bitdelta_jax.models.generate import Generator
+
+    cfg = self.cfg
+    if self._model_factory is not None:
+      model = self._model_factory()
+    else:
+      model = from_pretrained(cfg.base, getattr(jnp, cfg.dtype), num_slots=cfg.device_slots + 1,
+                              dense_embedding_slots=self.embedding_slots)
+    self.vocab_size = model.config.vocab_size
+    return Generator(model, buckets=cfg.prefill_buckets, max_seq_len=cfg.max_seq_len,
+                     max_rows=cfg.max_batch, tokenizer=self.tokenizer)
+
+  def _warmup(self, gen) -> None:
+    """Compiles every prefill bucket, insert, the decode step and the slot writer."""
+    from bitdelta_jax.models.sampling import SamplingParams
+
+    state = gen.init_state()
+    for b in gen.buckets:
+      n = min(b, self.cfg.max_prompt_tokens)
+      prefix = gen.prefill([0] * n, 0, SamplingParams(temperature=1.0, top_p=0.9))
+      state = gen.insert(state, prefix, 0)
+    state, toks = gen.step(state)
+    np.asarray(toks)
+    gen.clear_slot(1)
+
+  def _main(self) -> None:
+    try:
+      gen = self.gen = self._build()
+      if self.cfg.warmup:
+        self._warmup(gen)
+    except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
+      self._ready.set_exception(e)
+      return
+    self.alive = True
+    self._ready.set_result(gen)
+    try:
+      self._loop(gen)
+    finally:
+      self.alive = False
+
+  def _loop(self, gen) -> None:
+    m = self.metrics
+    state = gen.init_state()
+    rows: dict[int, GenRequest] = {}
+    free = list(range(gen.max_rows))[::-1]
+    pending: deque[GenRequest] = deque()
+    while True:
+      # 1. inbox: block only when there is nothing to decode
+      block = not rows and not pending
+      while True:
+        try:
+          item = self._inbox.get(block=block)
+        except queue.Empty:
+          break
+        block = False
+        if item[0] == "stop":
+          for r in list(rows.values()) + list(pending):
+            self._emit(r, Event("error", message="server shutting down"))
+          return
+        if item[0] == "req":
+          pending.append(item[1])
+        else:
+          _, fn, fut = item
+          if fut.set_running_or_notify_cancel():
+            try:
+              fut.set_result(fn(gen))
+            except BaseException as e:  # noqa: BLE001
+              fut.set_exception(e)
+      # 2. admit new requests into free rows
+      while pending and free:
+        r = pending.popleft()
+        if r.cancelled:
+          self._emit(r, Event("done", finish_reason="cancelled"))
+          continue
+        try:
+          prefix = gen.prefill(r.prompt, r.slot, r.params)
+          tok = int(prefix.token[0])
+        except Exception as e:  # noqa: BLE001  one bad request must not stop the engine
+          log.exception("prefill failed")
+          self._emit(r, Event("error", message=f"prefill failed: {e}"))
+          continue
+        now = time.perf_counter()
+        m.ttft.labels(r.model).observe(now - r.arrival)
+        r.t_last = now
+        if not self._accept(r, tok, now):
+          row = free.pop()
+          state = gen.insert(state, prefix, row)
+          rows[row] = r
+      self._gauges(len(rows), len(pending), gen.max_rows)
+      if not rows:
+        continue
+      # 3. one decode step over every row (mixed variants via per-row slot ids)
+      try:
+        state, toks = gen.step(state)
+        toks = np.asarray(toks)
+      except Exception as e:  # noqa: BLE001
+        log.exception("decode step failed")
+        for row, r in rows.items():
+          self._emit(r, Event("error", message=f"decode step failed: {e}"))
+          free.append(row)
+        rows.clear()
+        state = gen.init_state()
+        continue
+      self.steps += 1
+      now = time.perf_counter()
+      for row, r in list(rows.items()):
+        if r.cancelled:
+          self._emit(r, Event("done", finish_reason="cancelled", completion_tokens=len(r.tokens)))
+          done = True
+        else:
+          m.itl.labels(r.model).observe(now - r.t_last)
+          r.t_last = now
+          done = self._accept(r, int(toks[row]), now)
+        if done:
+          del rows[row]
+          free.append(row)
+      if not rows:
+        self._gauges(0, len(pending), gen.max_rows)
+
+  def _gauges(self, active: int, pending: int, max_rows: int) -> None:
+    m = self.metrics
+    self.queue_depth = pending + self._inbox.qsize()
+    self.active_rows = active
+    m.queue_depth.set(self.queue_depth)
+    m.batch_rows.set(active)
+    m.batch_occupancy.set(active / max_rows)
+
+  # -- per-token host logic --------------------------------------------------------------------
+  def _accept(self, r: GenRequest, tok: int, now: float) -> bool:
+    """Adds a token to ``r``; emits text; returns True (after emitting ``done``) when finished."""
+    p = r.params
+    if tok in p.stop_token_ids:
+      return self._finish(r, "stop", None)
+    r.tokens.append(tok)
+    self.metrics.generated_tokens.labels(r.model).inc()
+    tk = self.tokenizer
+    text = tk.decode(r.tokens) if tk is not None else ""
+    if p.stop_strings:
+      hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop_strings) if i >= 0]
+      if hits:
+        return self._finish(r, "stop", text[: min(hits)])
+    if len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.cfg.max_seq_len:
+      return self._finish(r, "length", text)
+    hold = max((len(s) for s in p.stop_strings), default=1) - 1
+    safe = len(text) - hold
+    while safe > r.sent and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
+      safe -= 1
+    if safe > r.sent:
+      self._emit(r, Event("token", text=text[r.sent:safe]))
+      r.sent = safe
+    return False
+
+  def _finish(self, r: GenRequest, reason: str, text: str | None) -> bool:
+    if text is None:
+      text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
+    self._emit(r, Event("done", text=text[r.sent:], finish_reason=reason,
+                        completion_tokens=len(r.tokens)))
+    return True
+
+  def _emit(self, r: GenRequest, ev: Event) -> None:
+    try:
+      r.emit(ev)
+    except Exception:  # noqa: BLE001  e.g. the event loop is closed
+      log.debug("dropping event for a closed request", exc_info=True)

@@ -1,0 +1,265 @@
+"""OpenAI wire format: request validation (400s that name the field) and response objects.
+
+Only what the server needs: `/v1/completions` and `/v1/chat/completions` request bodies,
+error objects, and the JSON / server-sent-event payloads that go back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import secrets
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+  """An error that becomes an OpenAI error object: ``{"error": {message, type, param, code}}``."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               code: str | None = None, type: str | None = None, headers: Mapping | None = None):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code = status, message, param, code
+    self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+    self.headers = dict(headers or {})
+
+  def body(self) -> dict:
+    return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+  return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def invalid(param: str, message: str, code: str | None = None) -> ApiError:
+  return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+def parse_json(raw: bytes) -> dict:
+  try:
+    body = json.loads(raw)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
+  if not isinstance(body, dict):
+    raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+  return body
+
+
+# -- field readers ------------------------------------------------------------------------------
+def _num(body: Mapping, key: str, default: float, lo: float, hi: float, *, lo_open=False) -> float:
+  x = body.get(key)
+  if x is None:
+    return default
+  if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
+    raise invalid(key, f"must be a number, got {json.dumps(x)[:40]}")
+  if x < lo or x > hi or (lo_open and x == lo):
+    raise invalid(key, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
+  return float(x)
+
+
+def _int(body: Mapping, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+  x = body.get(key)
+  if x is None:
+    return None
+  if isinstance(x, bool) or not isinstance(x, int):
+    if isinstance(x, float) and x.is_integer():
+      x = int(x)
+    else:
+      raise invalid(key, f"must be an integer, got {json.dumps(x)[:40]}")
+  if (lo is not None and x < lo) or (hi is not None and x > hi):
+    bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise invalid(key, f"must be {bounds}, got {x}")
+  return x
+
+
+def _bool(body: Mapping, key: str, default: bool = False) -> bool:
+  x = body.get(key)
+  if x is None:
+    return default
+  if not isinstance(x, bool):
+    raise invalid(key, f"must be a boolean, got {json.dumps(x)[:40]}")
+  return x
+
+
+def model_of(body: Mapping) -> str:
+  m = body.get("model")
+  if m is None:
+    raise invalid("model", "is required")
+  if not isinstance(m, str) or not m:
+    raise invalid("model", "must be a non-empty string")
+  return m
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """Validated sampling / output options of one request."""
+
+  max_tokens: int | None
+  temperature: float
+  top_p: float
+  top_k: int
+  seed: int
+  stop: tuple[str, ...]
+  stream: bool
+  include_usage: bool
+  ignore_eos: bool = False  # vLLM's extension: generate through the end-of-sequence token
+
+
+def options_of(body: Mapping, *, chat: bool) -> Options:
+  n = _int(body, "n", 1)
+  if n is not None and n != 1:
+    raise invalid("n", "only n=1 is supported")
+  if body.get("best_of") not in (None, 1):
+    raise invalid("best_of", "only best_of=1 is supported")
+  lp = body.get("logprobs")
+  if lp not in (None, False) and not (lp == 0 and not chat):
+    raise invalid("logprobs", "log probabilities are not supported")
+  if body.get("echo") not in (None, False):
+    raise invalid("echo", "echo is not supported")
+  max_tokens = _int(body, "max_tokens", 1)
+  if chat and body.get("max_completion_tokens") is not None:
+    max_tokens = _int(body, "max_completion_tokens", 1)
+  stop = body.get("stop")
+  if stop is None:
+    stops: tuple[str, ...] = ()
+  elif isinstance(stop, str):
+    stops = (stop,) if stop else ()
+  elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+    if len(stop) > 4:
+      raise invalid("stop", "at most 4 stop sequences")
+    stops = tuple(s for s in stop if s)
+  else:
+    raise invalid("stop", "must be a string or a list of strings")
+  seed = _int(body, "seed")
+  so = body.get("stream_options")
+  if so is not None and not isinstance(so, dict):
+    raise invalid("stream_options", "must be an object")
+  include_usage = _bool(so or {}, "include_usage") if so else False
+  return Options(
+    max_tokens=max_tokens,
+    temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
+    top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+    top_k=_int(body, "top_k", 0) or 0,
+    seed=(secrets.randbits(31) if seed is None else seed & 0x7FFFFFFF),
+    stop=stops,
+    stream=_bool(body, "stream"),
+    include_usage=include_usage,
+    ignore_eos=_bool(body, "ignore_eos"),
+  )
+
+
+def prompt_of(body: Mapping, tokenizer, vocab_size: int) -> list[int]:
+  """`/v1/completions` ``prompt``: a string, a list of token ids, or a one-element list of either."""
+  p = body.get("prompt")
+  if p is None:
+    raise invalid("prompt", "is required")
+  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+    p = p[0]
+  if isinstance(p, str):
+    ids = tokenizer.encode(p, add_special_tokens=True)
+  elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+    bad = [t for t in p if not 0 <= t < vocab_size]
+    if bad:
+      raise invalid("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    ids = list(p)
+  elif isinstance(p, list):
+    raise invalid("prompt", "batched prompts are not supported; send one prompt per request")
+  else:
+    raise invalid("prompt", "must be a string or a list of token ids")
+  if not ids and tokenizer.bos_token_id is not None:
+    ids = [tokenizer.bos_token_id]
+  if not ids:
+    raise invalid("prompt", "must not be empty")
+  return ids
+
+
+def messages_of(body: Mapping) -> list[dict]:
+  msgs = body.get("messages")
+  if msgs is None:
+    raise invalid("messages", "is required")
+  if not isinstance(msgs, list) or not msgs:
+    raise invalid("messages", "must be a non-empty list")
+  out = []
+  for i, m in enumerate(msgs):
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+      raise invalid(where, "must be an object")
+    role = m.get("role")
+    if role not in CHAT_ROLES:
+      raise invalid(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}")
+    content = m.get("content")
+    if content is None:
+      content = ""
+    if isinstance(content, list):  # content parts: only text
+      parts = []
+      for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+            part.get("text"), str):
+          raise invalid(f"{where}.content[{j}]", "only text parts are supported")
+        parts.append(part["text"])
+      content = "".join(parts)
+    if not isinstance(content, str):
+      raise invalid(f"{where}.content", "must be a string or a list of text parts")
+    out.append({"role": "system" if role == "developer" else role, "content": content})
+  return out
+
+
+# -- responses --------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+  return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+  return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+          "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+               *, chat: bool, created: int) -> dict:
+  if chat:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text},
+              "logprobs": None, "finish_reason": finish}
+    obj = "chat.completion"
+  else:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    obj = "text_completion"
+  out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+  if use is not None:
+    out["usage"] = use
+  return out
+
+
+def chunk(rid: str, model: str, *, chat: bool, created: int, text: str | None = None,
+          finish: str | None = None, role: bool = False, use: dict | None = None,
+          empty: bool = False) -> dict:
+  """One SSE payload; ``empty`` gives the usage-only chunk (no choices)."""
+  if chat:
+    delta: dict[str, Any] = {}
+    if role:
+      delta["role"] = "assistant"
+    if text is not None:
+      delta["content"] = text
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    obj = "chat.completion.chunk"
+  else:
+    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+    obj = "text_completion"
+  out = {"id": rid, "object": obj, "created": created, "model": model,
+         "choices": [] if empty else [choice]}
+  if use is not None:
+    out["usage"] = use
+  return out
+
+
+def sse(obj: dict | str) -> bytes:
+  data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+  return f"data: {data}\n\n".encode()
+
+
+def now() -> int:
+  return int(time.time())

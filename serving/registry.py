@@ -1,0 +1,175 @@
+"""The variant registry: which model names exist, where their deltas live, who is using them.
+
+Only names registered here (from the config or ``POST /v1/variants``) ever map to a path; a
+request's ``model`` is looked up, never joined to a path. Each `Variant` also carries the
+cache's view of it (tier, slot, load times, request-rate counter), which `serving.cache` owns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import time
+from pathlib import Path
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest sizes)
+import numpy as np
+
+from bitdelta_jax.delta.store import read_manifest
+from serving.config import check_name
+
+EMBEDDING_TENSORS = ("embed_tokens", "lm_head", "wte", "wpe")
+
+
+class RegistryError(ValueError):
+  """A registration that cannot be accepted; ``param`` names the offending field."""
+
+  def __init__(self, message: str, *, param: str | None = None, status: int = 400,
+               code: str | None = None):
+    super().__init__(message)
+    self.param, self.status, self.code = param, status, code
+
+
+def manifest_bytes(manifest: dict) -> int:
+  """Host bytes of a delta (all stored arrays), from its manifest."""
+  total = 0
+  for meta in manifest["tensors"].values():
+    for a in meta["arrays"].values():
+      total += int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize
+  return total
+
+
+def changes_embeddings(manifest: dict) -> bool:
+  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] != "same"
+             for n, m in manifest["tensors"].items())
+
+
+@dataclasses.dataclass(eq=False)
+class Variant:
+  name: str
+  path: Path
+  source: str  # "config" | "admin"
+  nbytes: int
+  registered_at: float = dataclasses.field(default_factory=time.time)
+  # usage
+  requests: int = 0
+  in_flight: int = 0
+  deleting: bool = False
+  # cache state (owned by serving.cache)
+  slot: int | None = None  # model slot id (1..device_slots) once loaded
+  host_bytes: int = 0
+  loads: int = 0
+  last_load_time: float | None = None  # wall clock
+  last_load_seconds: float | None = None
+  last_load_source: str | None = None
+  load_error: str | None = None
+  load_failed_at: float = -math.inf  # monotonic
+  rate: float = 0.0  # decayed request counter
+  rate_t: float = 0.0
+  last_used: float = 0.0
+  waiting: int = 0  # requests waiting for this variant's load
+  pinned: bool = False
+  _idle: asyncio.Event | None = None
+
+  def decayed_rate(self, now: float, half_life: float) -> float:
+    return self.rate * 0.5 ** ((now - self.rate_t) / half_life)
+
+  def touch(self, now: float, half_life: float) -> None:
+    self.rate = self.decayed_rate(now, half_life) + 1.0
+    self.rate_t = self.last_used = now
+
+
+class Registry:
+  def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
+               embedding_slots: bool = False):
+    self.base_id = base_id
+    self.admin_roots = tuple(Path(r).resolve() for r in admin_roots)
+    self.embedding_slots = embedding_slots
+    self._variants: dict[str, Variant] = {}
+
+  # -- lookup ----------------------------------------------------------------------------------
+  def get(self, name: str) -> Variant | None:
+    """The live variant called ``name`` (None if unknown or being deleted)."""
+    v = self._variants.get(name) if isinstance(name, str) else None
+    return None if v is None or v.deleting else v
+
+  def all(self) -> list[Variant]:
+    return [v for v in self._variants.values() if not v.deleting]
+
+  def __contains__(self, name: str) -> bool:
+    return self.get(name) is not None
+
+  # -- registration ----------------------------------------------------------------------------
+  def check(self, name, path, *, source: str) -> tuple[str, Path]:
+    """Validates a name and path (cheap checks, no I/O beyond ``stat``)."""
+    try:
+      check_name(name, "name")
+    except ValueError as e:
+      raise RegistryError(str(e), param="name") from None
+    if name == self.base_id:
+      raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
+                          code="variant_exists")
+    if name in self._variants:
+      raise RegistryError(f"a variant named {name!r} is already registered", param="name",
+                          status=409, code="variant_exists")
+    if not isinstance(path, str) or not path or "\x00" in path:
+      raise RegistryError("path must be a non-empty string", param="path")
+    p = Path(path).expanduser()
+    if source == "admin":
+      if not p.is_absolute():
+        raise RegistryError("path must be absolute", param="path")
+      p = p.resolve()
+      if self.admin_roots and not any(p.is_relative_to(r) for r in self.admin_roots):
+        raise RegistryError(
+          f"path {str(p)!r} is outside the allowed delta roots (--variant-root)", param="path",
+          status=403, code="path_not_allowed")
+    return name, p.resolve()
+
+  def inspect(self, path: Path, base_check) -> int:
+    """Reads and checks the manifest (run in an IO thread); returns the delta's bytes."""
+    if not os.path.isdir(path):
+      raise RegistryError(f"{path}: no such delta directory", param="path")
+    m = read_manifest(path)
+    if base_check is not None:
+      base_check(m, str(path))
+    if changes_embeddings(m) and not self.embedding_slots:
+      raise RegistryError(
+        f"{path}: this variant changes the embeddings / LM head, but the server was started "
+        f"without per-slot embedding banks (start it with this variant configured, or with "
+        f"--embedding-slots)", param="path")
+    return manifest_bytes(m)
+
+  def add(self, name: str, path: Path, nbytes: int, *, source: str) -> Variant:
+    if name in self._variants:  # raced with another registration
+      raise RegistryError(f"a variant named {name!r} is already registered", param="name",
+                          status=409, code="variant_exists")
+    v = Variant(name=name, path=path, source=source, nbytes=nbytes)
+    self._variants[name] = v
+    return v
+
+  # -- in-flight tracking ----------------------------------------------------------------------
+  def begin(self, v: Variant) -> None:
+    v.requests += 1
+    v.in_flight += 1
+    if v._idle is not None:
+      v._idle.clear()
+
+  def end(self, v: Variant) -> None:
+    v.in_flight -= 1
+    if v.in_flight == 0 and v._idle is not None:
+      v._idle.set()
+
+  async def remove(self, name: str, on_removed) -> Variant:
+    """Hides ``name`` from new requests, waits for its in-flight requests, then forgets it."""
+    v = self.get(name)
+    if v is None:
+      raise KeyError(name)
+    v.deleting = True
+    if v.in_flight:
+      v._idle = asyncio.Event()
+      await v._idle.wait()
+    await on_removed(v)
+    self._variants.pop(name, None)
+    return v

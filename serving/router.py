@@ -1,0 +1,74 @@
+"""Router: a request's ``model`` → a held device slot (a `Lease`), with in-flight tracking.
+
+    lease = await router.acquire("math")    # UnknownModel, or LoadError from the cache
+    ... generate with lease.slot ...
+    lease.release()                         # idempotent; once the engine is done with the row
+
+The base model is slot 0 and never loads. For a variant, the registry counts the request in
+flight (so ``DELETE`` can wait for it) and the cache brings the variant to a device slot and
+holds it until release.
+"""
+
+from __future__ import annotations
+
+from serving.cache import DeltaCache
+from serving.registry import Registry, Variant
+
+
+class UnknownModel(KeyError):
+  def __init__(self, model):
+    super().__init__(model)
+    self.model = model
+
+
+class Lease:
+  __slots__ = ("router", "variant", "slot", "model", "_released")
+
+  def __init__(self, router: Router, variant: Variant | None, slot: int, model: str):
+    self.router, self.variant, self.slot, self.model = router, variant, slot, model
+    self._released = False
+
+  def release(self) -> None:
+    if self._released:
+      return
+    self._released = True
+    if self.variant is not None:
+      self.router.cache.release(self.variant)
+      self.router.registry.end(self.variant)
+      self.router.metrics.in_flight.labels(self.model).dec()
+    else:
+      self.router.base_in_flight -= 1
+      self.router.metrics.in_flight.labels(self.model).dec()
+
+
+class Router:
+  def __init__(self, registry: Registry, cache: DeltaCache, metrics):
+    self.registry, self.cache, self.metrics = registry, cache, metrics
+    self.base_requests = 0
+    self.base_in_flight = 0
+
+  @property
+  def base_id(self) -> str:
+    return self.registry.base_id
+
+  def knows(self, model) -> bool:
+    return model == self.base_id or self.registry.get(model) is not None
+
+  async def acquire(self, model: str) -> Lease:
+    if model == self.base_id:
+      self.base_requests += 1
+      self.base_in_flight += 1
+      self.metrics.in_flight.labels(model).inc()
+      return Lease(self, None, 0, model)
+    v = self.registry.get(model)
+    if v is None:
+      raise UnknownModel(model)
+    self.registry.begin(v)
+    self.metrics.in_flight.labels(model).inc()
+    try:
+      slot = await self.cache.acquire(v)
+    except BaseException:
+      self.registry.end(v)
+      self.metrics.in_flight.labels(model).dec()
+      raise
+    return Lease(self, v, slot, model)

@@ -1,0 +1,45 @@
+"""A synthetic model family for tests and benchmarks: a tiny Llama base with a byte-level
+tokenizer and N compressed variants (each a different random fine-tune).
+
+    base_dir, variants = synthetic_family(tmp, n=4)      # variants: {"v0": delta_dir, ...}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bitdelta_jax.synthetic import SyntheticConfig
+
+TINY = SyntheticConfig(vocab_size=264, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2)
+
+
+def synthetic_family(root: str | Path, n: int = 4, config: SyntheticConfig = TINY, *,
+                     rel: float = 0.3, prefix: str = "v", seed: int = 0,
+                     keep_finetunes: bool = False) -> tuple[Path, dict[str, Path]]:
+  """Writes ``root/base`` (+ tokenizer) and ``root/deltas/<prefix><i>``; reuses existing dirs."""
+  from bitdelta_jax.delta.compress import CompressPolicy
+  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
+  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
+
+  root = Path(root)
+  base = make_base(config, seed)
+  base_dir = root / "base"
+  if not (base_dir / "config.json").exists():
+    write_checkpoint(base, base_dir, config.hf_config())
+    write_tokenizer(base_dir)
+  out = {}
+  for i in range(n):
+    name = f"{prefix}{i}"
+    d = root / "deltas" / name
+    if not (d / "manifest.json").exists():
+      ft_dir = write_checkpoint(make_finetune(base, seed=seed + 100 + i, rel=rel),
+                                root / "finetuned" / name, config.hf_config())
+      compress_checkpoints(base_dir, ft_dir, d, CompressPolicy(), overwrite=True, progress=False)
+      if not keep_finetunes:
+        import shutil
+
+        shutil.rmtree(ft_dir)
+    out[name] = d
+  return base_dir, out

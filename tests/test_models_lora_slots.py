@@ -1,0 +1,71 @@
+"""PEFT LoRA adapters in model slots, beside BitDelta variants, in one mixed batch."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress  # noqa: E402
+from bitdelta_jax.merge.lora import load_adapter  # noqa: E402
+from bitdelta_jax.models import from_pretrained, from_tensors, load_lora, load_variant  # noqa: E402
+from bitdelta_jax.models.loading import load_config  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+  root = tmp_path_factory.mktemp("lora")
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=32)
+  base = transformers.LlamaForCausalLM(cfg).eval()
+  base.save_pretrained(root / "base", safe_serialization=True)
+  base_sd = {k: v.detach().numpy().copy() for k, v in base.state_dict().items()}
+  torch.manual_seed(1)
+  pm = peft.get_peft_model(transformers.LlamaForCausalLM.from_pretrained(root / "base").eval(),
+                           peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                           target_modules=["q_proj", "v_proj", "down_proj"]))
+  pm.save_pretrained(root / "adapter")
+  ids = np.random.default_rng(0).integers(0, 64, (1, 7))
+  with torch.no_grad():
+    peft_logits = pm(torch.from_numpy(ids)).logits.numpy()
+  rng = np.random.default_rng(2)
+  ft = {k: (v + 0.01 * rng.standard_normal(v.shape).astype(np.float32)) if v.ndim == 2 and
+        "embed" not in k and "lm_head" not in k else v for k, v in base_sd.items()}
+  delta, _ = compress(base_sd, ft, CompressPolicy(granularity="column"), hf_layout=True)
+  return root, ids, peft_logits, base_sd, delta
+
+
+def test_lora_slot_matches_peft_and_mixes_with_bitdelta(setup):
+  root, ids, peft_logits, base_sd, delta = setup
+  model = from_pretrained(root / "base", dtype=jnp.float32, num_slots=3, lora_rank=8)
+  load_lora(model, 1, load_adapter(root / "adapter"))
+  load_variant(model, 2, delta)
+  batch = jnp.asarray(np.repeat(ids, 3, axis=0))
+  out = np.asarray(model(batch, slot_ids=jnp.array([0, 1, 2])))
+  # row 1: the LoRA adapter, against PEFT's own forward
+  np.testing.assert_allclose(out[1], peft_logits[0], atol=1e-4)
+  # row 2: the BitDelta variant, against its materialised weights run alone
+  cfg = load_config(root / "base")
+  alone = from_tensors(cfg, apply_delta(base_sd, delta, hf_layout=True), jnp.float32)
+  np.testing.assert_allclose(out[2], np.asarray(alone(jnp.asarray(ids)))[0], atol=1e-4)
+  # row 0: the base
+  base_alone = from_tensors(cfg, base_sd, jnp.float32)
+  np.testing.assert_allclose(out[0], np.asarray(base_alone(jnp.asarray(ids)))[0], atol=1e-4)
+  # reloading slot 1 with the BitDelta variant clears its LoRA rows
+  load_variant(model, 1, delta)
+  again = np.asarray(model(batch, slot_ids=jnp.array([1, 1, 1])))
+  np.testing.assert_allclose(again[0], out[2], atol=1e-5)
+
+
+def test_lora_errors(setup):
+  root, *_ = setup
+  no_lora = from_pretrained(root / "base", dtype=jnp.float32, num_slots=2)
+  with pytest.raises(ValueError, match="no LoRA slots"):
+    load_lora(no_lora, 1, load_adapter(root / "adapter"))
+  small = from_pretrained(root / "base", dtype=jnp.float32, num_slots=2, lora_rank=2)
+  with pytest.raises(ValueError, match="exceeds the model's lora_rank"):
+    load_lora(small, 1, load_adapter(root / "adapter"))

@@ -1,0 +1,108 @@
+"""ServerConfig validation, config files, and the `serve` command line (no server started)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from serving.cli import add_demo_parser, add_serve_parsers, config_from_args, demo_config
+from serving.config import ConfigError, ServerConfig
+
+
+def parse(argv):
+  p = argparse.ArgumentParser()
+  sub = p.add_subparsers()
+  add_serve_parsers(sub)
+  add_demo_parser(sub)
+  return p.parse_args(argv)
+
+
+def test_defaults_and_derived():
+  c = ServerConfig(base="/m/llama-base", max_seq_len=512)
+  assert c.model_id == "llama-base"
+  assert c.prefill_buckets == (32, 64, 128, 256, 512)
+  assert c.max_prompt_tokens == 511
+  assert c.host_cache_bytes == 1 << 30
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.port = 1
+
+
+@pytest.mark.parametrize("kw,field", [
+  (dict(device_slots=0), "device_slots"), (dict(port=70000), "port"),
+  (dict(max_batch=0), "max_batch"), (dict(variants=(("../x", "/d"),)), "variant name"),
+  (dict(variants=(("a", "/d"), ("a", "/e"))), "variants"), (dict(pins=("zz",)), "pins"),
+  (dict(variants=(("p", "/d"), ("q", "/e")), pins=("p", "q"), device_slots=1), "pins"),
+  (dict(dtype="int8"), "dtype"), (dict(buckets=(1024,)), "buckets"),
+  (dict(base_name="x", variants=(("x", "/d"),)), "variants"),
+])
+def test_invalid_values_name_the_field(kw, field):
+  with pytest.raises(ConfigError, match=field):
+    ServerConfig(base="/m/b", **kw)
+
+
+def test_config_file_relative_paths_and_overrides(tmp_path):
+  f = tmp_path / "serve.json"
+  f.write_text(json.dumps({"base": "models/base", "variants": {"math": "deltas/math"},
+                           "device_slots": 2, "pins": ["math"], "port": 9001}))
+  c = ServerConfig.from_file(f, port=9002)
+  assert c.base == str(tmp_path / "models/base")
+  assert c.variants == (("math", str(tmp_path / "deltas/math")),)
+  assert c.pins == ("math",) and c.device_slots == 2 and c.port == 9002
+  f.write_text(json.dumps({"base": "b", "device_slot": 2}))
+  with pytest.raises(ConfigError, match="device_slot"):
+    ServerConfig.from_file(f)
+  f.write_text("{")
+  with pytest.raises(ConfigError, match="invalid JSON"):
+    ServerConfig.from_file(f)
+
+
+def test_cli_flags(tmp_path):
+  a = parse(["serve", "--base", "/m/b", "--variant", "x=/d/x", "--variant", "y=/d/y",
+             "--port", "0", "--api-key", "k", "--device-slots", "3", "--host-cache-mb", "64",
+             "--pin", "x", "--top-n-pin", "1", "--max-batch", "4", "--max-seq-len", "256"])
+  assert a.func.__name__ == "cmd_serve"
+  c = config_from_args(a)
+  assert c.variants == (("x", "/d/x"), ("y", "/d/y")) and c.pins == ("x",)
+  assert (c.port, c.api_key, c.device_slots, c.host_cache_mb, c.top_n_pin, c.max_batch,
+          c.max_seq_len) == (0, "k", 3, 64.0, 1, 4, 256)
+  with pytest.raises(ConfigError, match="NAME=DELTA_DIR"):
+    config_from_args(parse(["serve", "--base", "/m/b", "--variant", "nopath"]))
+  with pytest.raises(ConfigError, match="base"):
+    config_from_args(parse(["serve"]))
+
+
+def test_cli_flags_override_config_file(tmp_path):
+  f = tmp_path / "c.json"
+  f.write_text(json.dumps({"base": "/m/b", "variants": {"x": "/d/x"}, "port": 7000,
+                           "max_batch": 2}))
+  c = config_from_args(parse(["serve", "--config", str(f), "--port", "7001",
+                              "--variant", "y=/d/y"]))
+  assert c.port == 7001 and c.max_batch == 2 and dict(c.variants) == {"x": "/d/x", "y": "/d/y"}
+
+
+def test_demo_config_without_the_family(monkeypatch):
+  import bitdelta_jax.zoo as zoo
+
+  monkeypatch.delattr(zoo, "shipped_family", raising=False)
+  monkeypatch.setitem(sys.modules, "bitdelta_jax.zoo", zoo)
+  with pytest.raises(RuntimeError, match="built-in model family"):
+    demo_config()
+
+
+def test_demo_config_with_a_family(monkeypatch, tmp_path):
+  import bitdelta_jax.zoo as zoo
+
+  monkeypatch.setattr(zoo, "shipped_family",
+                      lambda: (tmp_path / "base", {"b": tmp_path / "b", "a": tmp_path / "a"}),
+                      raising=False)
+  c = demo_config(port=0)
+  assert c.base == str(tmp_path / "base") and [n for n, _ in c.variants] == ["a", "b"]
+  assert c.port == 0 and c.device_slots == 2
+  a = parse(["demo", "--port", "1234"])
+  assert a.func.__name__ == "cmd_demo"
+  c2 = config_from_args(a, base=c.base, variants=c.variants)
+  assert c2.port == 1234 and c2.variants == c.variants

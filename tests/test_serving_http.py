@@ -1,0 +1,521 @@
+"""The real server on a loopback port, driven over HTTP (requests, aiohttp, the openai client).
+
+One server for the module: a tiny base, 5 variants, one corrupt delta directory, 3 device
+slots (one pinned), a host budget of two deltas, and an API key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+
+import aiohttp
+import pytest
+import requests
+
+from serving.app import ServerThread
+from serving.config import ServerConfig
+from serving.testing import synthetic_family
+
+KEY = "test-key"
+H = {"Authorization": f"Bearer {KEY}"}
+VARIANTS = ["v0", "v1", "v2", "v3", "v4"]
+PROMPTS = ["hello", "The quick brown fox", "1 2 3 4"]
+
+
+def corrupt_copy(src, dst):
+  shutil.copytree(src, dst)
+  chunks = sorted(p for p in dst.rglob("*") if p.is_file() and "bits" in p.parts
+                  and not p.name.startswith("."))
+  data = bytearray(chunks[0].read_bytes())
+  for i in range(len(data)):
+    data[i] ^= 0xFF
+  chunks[0].write_bytes(bytes(data))
+  return dst
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+  root = tmp_path_factory.mktemp("family")
+  base, deltas = synthetic_family(root, n=len(VARIANTS))
+  extra = synthetic_family(root, n=2, prefix="x", seed=0)[1]  # more cold variants, same base
+  broken = corrupt_copy(deltas["v0"], root / "deltas" / "broken")
+  return base, deltas, extra, broken
+
+
+@pytest.fixture(scope="module")
+def server(family):
+  base, deltas, _, broken = family
+  one_delta = sum(p.stat().st_size for p in deltas["v0"].rglob("*") if p.is_file())
+  cfg = ServerConfig(
+    base=str(base), base_name="base", port=0, api_key=KEY,
+    variants=tuple((n, str(d)) for n, d in deltas.items()) + (("broken", str(broken)),),
+    device_slots=3, pins=("v3",), host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4,
+    max_seq_len=64, buckets=(16, 64), default_max_tokens=16, load_retry_s=0.5,
+    max_body_bytes=64 * 1024,
+  )
+  assert one_delta > 0
+  with ServerThread(cfg) as h:
+    yield h
+
+
+def post(h, path, body, headers=H, **kw):
+  return requests.post(h.url + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def get(h, path, headers=H):
+  return requests.get(h.url + path, headers=headers, timeout=60)
+
+
+def complete(h, model, prompt, **kw):
+  r = post(h, "/v1/completions", {"model": model, "prompt": prompt, "temperature": 0, **kw})
+  assert r.status_code == 200, r.text
+  return r.json()
+
+
+def is_error(r, status, code=None, param=None):
+  assert r.status_code == status, (r.status_code, r.text)
+  err = r.json()["error"]
+  assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+  if code is not None:
+    assert err["code"] == code, err
+  if param is not None:
+    assert err["param"] == param, err
+  return err
+
+
+def variants_info(h) -> dict:
+  return {v["id"]: v for v in get(h, "/v1/variants").json()["data"]}
+
+
+def sse_events(text: str) -> list:
+  out = []
+  for block in text.split("\n\n"):
+    if block.strip():
+      assert block.startswith("data: "), block
+      data = block[len("data: "):]
+      out.append(data if data == "[DONE]" else json.loads(data))
+  return out
+
+
+# -- basics -------------------------------------------------------------------------------------
+def test_health_needs_no_key(server):
+  r = requests.get(server.url + "/health", timeout=10)
+  assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("method,path", [
+  ("get", "/v1/models"), ("get", "/metrics"), ("get", "/v1/variants"),
+  ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/v1/variants"),
+  ("delete", "/v1/variants/v0"),
+])
+def test_api_key_enforced_everywhere_but_health(server, method, path):
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+    r = getattr(requests, method)(server.url + path, headers=headers, json={}, timeout=10)
+    is_error(r, 401, "invalid_api_key")
+
+
+def test_models_lists_base_and_variants(server):
+  data = get(server, "/v1/models").json()["data"]
+  by = {m["id"]: m for m in data}
+  assert by["base"]["parent"] is None
+  for n in VARIANTS + ["broken"]:
+    assert by[n]["parent"] == "base" and by[n]["object"] == "model"
+  assert get(server, "/v1/models/v1").json()["id"] == "v1"
+  is_error(get(server, "/v1/models/nope"), 404, "model_not_found")
+
+
+def test_completion_shape_usage_and_determinism(server):
+  a = complete(server, "v1", "hello", max_tokens=8)
+  b = complete(server, "v1", "hello", max_tokens=8)
+  assert a["object"] == "text_completion" and a["model"] == "v1"
+  ch = a["choices"][0]
+  assert ch["finish_reason"] in ("length", "stop") and isinstance(ch["text"], str)
+  assert a["usage"]["prompt_tokens"] == len(b"hello")  # byte-level tokenizer
+  assert a["usage"]["total_tokens"] == 5 + a["usage"]["completion_tokens"]
+  assert a["choices"][0]["text"] == b["choices"][0]["text"]
+  # token-id prompts are accepted too
+  c = complete(server, "v1", [ord(c) + 5 for c in "hello"], max_tokens=8)
+  assert c["choices"][0]["text"] == a["choices"][0]["text"]
+
+
+def test_variants_differ_from_base(server):
+  outs = {m: complete(server, m, "The quick brown fox", max_tokens=12)["choices"][0]["text"]
+          for m in ["base", "v0", "v1", "v2"]}
+  assert len(set(outs.values())) >= 3, outs
+
+
+def test_chat_completion(server):
+  r = post(server, "/v1/chat/completions", {
+    "model": "v2", "temperature": 0, "max_tokens": 6,
+    "messages": [{"role": "system", "content": "be brief"},
+                 {"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+  assert r.status_code == 200, r.text
+  j = r.json()
+  assert j["object"] == "chat.completion"
+  assert j["choices"][0]["message"]["role"] == "assistant"
+  assert j["usage"]["completion_tokens"] <= 6
+
+
+def test_streaming_completion_matches_non_streaming(server):
+  body = {"model": "v0", "prompt": "1 2 3 4", "temperature": 0, "max_tokens": 10}
+  full = complete(server, "v0", "1 2 3 4", max_tokens=10)
+  r = post(server, "/v1/completions", {**body, "stream": True,
+                                        "stream_options": {"include_usage": True}})
+  assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+  ev = sse_events(r.text)
+  assert ev[-1] == "[DONE]"
+  chunks = ev[:-1]
+  text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+  assert text == full["choices"][0]["text"]
+  finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+  assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == \
+    full["choices"][0]["finish_reason"]
+  assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+
+
+def test_streaming_chat(server):
+  r = post(server, "/v1/chat/completions", {
+    "model": "v1", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+    "max_tokens": 5, "stream": True})
+  ev = sse_events(r.text)
+  assert ev[-1] == "[DONE]"
+  assert ev[0]["object"] == "chat.completion.chunk"
+  assert ev[0]["choices"][0]["delta"]["role"] == "assistant"
+  assert ev[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+  assert all("usage" not in e for e in ev[:-1])
+
+
+def test_stop_strings(server):
+  full = complete(server, "v2", "hello", max_tokens=20)["choices"][0]["text"]
+  clean = [i for i in range(2, len(full) - 2) if full[i:i + 2].isprintable()]
+  if not clean:
+    pytest.skip("no printable stop candidate in this output")
+  stop = full[clean[0]:clean[0] + 2]
+  got = complete(server, "v2", "hello", max_tokens=20, stop=[stop, "zzzz"])
+  assert got["choices"][0]["text"] == full[:full.find(stop)]
+  assert got["choices"][0]["finish_reason"] == "stop"
+
+
+def test_seed_and_temperature(server):
+  def sample(seed):
+    return post(server, "/v1/completions", {"model": "v1", "prompt": "hello", "max_tokens": 12,
+                                            "temperature": 1.0, "top_p": 0.95,
+                                            "seed": seed}).json()["choices"][0]["text"]
+  assert sample(7) == sample(7)
+  assert len({sample(s) for s in range(4)}) > 1
+
+
+def test_max_tokens_capped_by_context(server):
+  j = complete(server, "base", "x" * 50, max_tokens=10_000)
+  assert j["usage"]["completion_tokens"] <= 64 - 50
+  assert j["usage"]["total_tokens"] <= 64
+
+
+# -- errors -------------------------------------------------------------------------------------
+def test_error_objects(server):
+  is_error(post(server, "/v1/completions", {"model": "nope", "prompt": "x"}), 404,
+           "model_not_found", "model")
+  for bad in ("../v0", "v0/../../etc/passwd", "/tmp", str(server.cfg.base)):
+    is_error(post(server, "/v1/completions", {"model": bad, "prompt": "x"}), 404, "model_not_found")
+  r = requests.post(server.url + "/v1/completions", data=b"{not json", headers=H, timeout=10)
+  is_error(r, 400, "invalid_json")
+  is_error(post(server, "/v1/completions", [1, 2]), 400, "invalid_json")
+  is_error(post(server, "/v1/completions", {"prompt": "x"}), 400, param="model")
+  is_error(post(server, "/v1/completions", {"model": "v0"}), 400, param="prompt")
+  cases = {
+    "temperature": [-1, 3, "hot"], "top_p": [0, 1.5, "x"], "max_tokens": [0, "5", 1.5],
+    "n": [2], "stop": [5, ["a"] * 5], "seed": ["x"], "stream": ["yes"], "logprobs": [3],
+  }
+  for field, values in cases.items():
+    for value in values:
+      err = is_error(post(server, "/v1/completions", {"model": "v0", "prompt": "x",
+                                                      field: value}), 400, param=field)
+      assert field in err["message"]
+  is_error(post(server, "/v1/chat/completions", {"model": "v0"}), 400, param="messages")
+  is_error(post(server, "/v1/chat/completions", {"model": "v0", "messages": [{"role": "x"}]}),
+           400, param="messages[0].role")
+  is_error(post(server, "/v1/completions", {"model": "v0", "prompt": [999999]}), 400,
+           param="prompt")
+
+
+def test_prompt_longer_than_context(server):
+  err = is_error(post(server, "/v1/completions", {"model": "v0", "prompt": "x" * 64}), 400,
+                 "context_length_exceeded", "prompt")
+  assert "64" in err["message"]
+  is_error(post(server, "/v1/chat/completions", {
+    "model": "v0", "messages": [{"role": "user", "content": "y" * 100}]}), 400,
+    "context_length_exceeded", "messages")
+
+
+def test_body_limit_and_unknown_routes(server):
+  r = post(server, "/v1/completions", {"model": "v0", "prompt": "x" * 100_000})
+  is_error(r, 413, "request_too_large")
+  is_error(get(server, "/v1/nothing"), 404)
+  r = requests.put(server.url + "/v1/completions", headers=H, timeout=10)
+  is_error(r, 405)
+  assert get(server, "/health").status_code == 200
+
+
+# -- the openai client --------------------------------------------------------------------------
+def test_openai_client(server):
+  import openai
+
+  client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+  ids = {m.id for m in client.models.list()}
+  assert {"base", *VARIANTS} <= ids
+  c = client.completions.create(model="v1", prompt="hello", max_tokens=8, temperature=0)
+  assert c.choices[0].text == complete(server, "v1", "hello", max_tokens=8)["choices"][0]["text"]
+  assert c.usage.prompt_tokens == 5
+  chat = client.chat.completions.create(
+    model="v2", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0)
+  assert chat.choices[0].message.role == "assistant"
+  stream = client.chat.completions.create(
+    model="v2", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0,
+    stream=True, stream_options={"include_usage": True})
+  parts, usage = [], None
+  for ev in stream:
+    if ev.choices and ev.choices[0].delta.content:
+      parts.append(ev.choices[0].delta.content)
+    usage = ev.usage or usage
+  assert "".join(parts) == chat.choices[0].message.content
+  assert usage.completion_tokens == chat.usage.completion_tokens
+  with pytest.raises(openai.NotFoundError):
+    client.completions.create(model="missing", prompt="x")
+  with pytest.raises(openai.BadRequestError):
+    client.completions.create(model="v1", prompt="x", temperature=5)
+  bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+  with pytest.raises(openai.AuthenticationError):
+    bad.models.list()
+
+
+# -- concurrency --------------------------------------------------------------------------------
+async def _fire(url, bodies, path="/v1/completions"):
+  async with aiohttp.ClientSession(headers=H) as s:
+    async def one(b):
+      async with s.post(url + path, json=b) as r:
+        return r.status, await r.json()
+    return await asyncio.gather(*(one(b) for b in bodies))
+
+
+def test_concurrent_mixed_variants_match_sequential(server):
+  models = ["base", "v0", "v1", "v2", "v3", "v4"]
+  ref = {(m, p): complete(server, m, p, max_tokens=8)["choices"][0]["text"]
+         for m in models for p in PROMPTS}
+  bodies = [{"model": m, "prompt": p, "temperature": 0, "max_tokens": 8}
+            for _ in range(2) for m in models for p in PROMPTS]
+  t0 = time.time()
+  res = asyncio.run(_fire(server.url, bodies))
+  assert all(s == 200 for s, _ in res), [j for s, j in res if s != 200][:2]
+  for b, (_, j) in zip(bodies, res):
+    assert j["choices"][0]["text"] == ref[(b["model"], b["prompt"])], b
+  assert time.time() - t0 < 60
+  info = get(server, "/v1/variants").json()
+  assert info["host_cache"]["used_bytes"] <= info["host_cache"]["budget_bytes"]
+  assert info["device_slots"]["used"] <= 3
+  assert sum(v["tier"] == "device" for v in info["data"]) <= 3
+  assert variants_info(server)["v3"]["tier"] == "device"  # pinned
+
+
+def test_single_flight_cold_variant(server, family):
+  _, deltas, extra, _ = family
+  r = post(server, "/v1/variants", {"name": "sf", "path": str(extra["x0"].resolve())})
+  assert r.status_code == 201, r.text
+  assert variants_info(server)["sf"]["tier"] == "disk"
+  bodies = [{"model": "sf", "prompt": "hi", "temperature": 0, "max_tokens": 2}] * 100
+  res = asyncio.run(_fire(server.url, bodies))
+  assert [s for s, _ in res] == [200] * 100
+  assert len({j["choices"][0]["text"] for _, j in res}) == 1
+  info = variants_info(server)["sf"]
+  assert info["loads"] == 1 and info["requests"] == 100 and info["last_load_source"] == "disk"
+  assert info["last_load_time"] and info["last_load_seconds"] > 0
+  assert metric(get(server, "/metrics").text, "bitdelta_variant_loads_total", model="sf",
+                outcome="ok") == 1.0
+
+
+def test_eviction_with_budgets_smaller_than_all_deltas(server):
+  # 3 device slots (v3 pinned) and a host budget of 2.5 deltas, 5 variants cycled twice
+  budget = get(server, "/v1/variants").json()["host_cache"]["budget_bytes"]
+  for _ in range(2):
+    for m in ["v0", "v1", "v2", "v4", "v3"]:
+      complete(server, m, "hello", max_tokens=2)
+      info = get(server, "/v1/variants").json()
+      assert info["host_cache"]["used_bytes"] <= budget
+      assert len(info["host_cache"]["variants"]) <= 2
+      assert info["device_slots"]["used"] <= 3
+  vi = variants_info(server)
+  tiers = [vi[n]["tier"] for n in ["v0", "v1", "v2", "v4"]]
+  assert tiers.count("device") <= 2 and tiers.count("disk") >= 1
+  assert vi["v3"]["tier"] == "device"  # the pin survived all of it
+  loads = sum(vi[n]["loads"] for n in ["v0", "v1", "v2", "v4"])
+  assert loads >= 6  # evictions forced reloads
+  m = get(server, "/metrics").text
+  assert metric(m, "bitdelta_cache_misses_total", model="v0", tier="device") >= 2
+  assert metric(m, "bitdelta_evictions_total", tier="device") >= 1
+  assert metric(m, "bitdelta_evictions_total", tier="host") >= 1
+  assert metric(m, "bitdelta_host_cache_bytes") <= budget
+
+
+def test_corrupt_delta_fails_cleanly_and_others_keep_serving(server):
+  bodies = ([{"model": "broken", "prompt": "hi", "max_tokens": 4}] * 5
+            + [{"model": m, "prompt": "hi", "temperature": 0, "max_tokens": 4}
+               for m in ["v0", "v1", "base"]])
+  res = asyncio.run(_fire(server.url, bodies))
+  for s, j in res[:5]:
+    assert s == 503 and j["error"]["code"] == "variant_load_failed"
+    assert "broken" in j["error"]["message"] and ("checksum" in j["error"]["message"]
+                                                  or "corrupt" in j["error"]["message"])
+  assert [s for s, _ in res[5:]] == [200, 200, 200]
+  info = variants_info(server)["broken"]
+  assert info["last_error"] and info["tier"] == "disk"
+  assert get(server, "/health").json()["status"] == "ok"
+  # an invalid directory cannot even be registered
+  is_error(post(server, "/v1/variants", {"name": "nomanifest", "path": str(server.cfg.base)}),
+           400, param="path")
+
+
+# -- admin --------------------------------------------------------------------------------------
+def test_admin_register_validation(server, family):
+  _, deltas, extra, _ = family
+  path = str(extra["x1"].resolve())
+  is_error(post(server, "/v1/variants", {"path": path}), 400, param="name")
+  is_error(post(server, "/v1/variants", {"name": "ok1"}), 400, param="path")
+  is_error(post(server, "/v1/variants", {"name": "../evil", "path": path}), 400, param="name")
+  is_error(post(server, "/v1/variants", {"name": "a/b", "path": path}), 400, param="name")
+  is_error(post(server, "/v1/variants", {"name": "rel", "path": "deltas/x1"}), 400, param="path")
+  is_error(post(server, "/v1/variants", {"name": "gone", "path": path + "-missing"}), 400,
+           param="path")
+  is_error(post(server, "/v1/variants", {"name": "v0", "path": path}), 409, "variant_exists")
+  is_error(post(server, "/v1/variants", {"name": "base", "path": path}), 409, "variant_exists")
+  r = requests.post(server.url + "/v1/variants", data=b"[", headers=H, timeout=10)
+  is_error(r, 400, "invalid_json")
+  r = post(server, "/v1/variants", {"name": "late", "path": path})
+  assert r.status_code == 201 and r.json()["tier"] == "disk" and r.json()["bytes"] > 0
+  assert any(m["id"] == "late" and m["parent"] == "base"
+             for m in get(server, "/v1/models").json()["data"])
+  assert complete(server, "late", "hi", max_tokens=2)["model"] == "late"
+  info = variants_info(server)["late"]
+  assert info["requests"] == 1 and info["tier"] in ("device", "host") and info["loads"] == 1
+  assert requests.delete(server.url + "/v1/variants/late", headers=H, timeout=30).json()["deleted"]
+  is_error(requests.delete(server.url + "/v1/variants/late", headers=H, timeout=30), 404)
+  is_error(requests.delete(server.url + "/v1/variants/base", headers=H, timeout=30), 400)
+
+
+def test_delete_waits_for_in_flight_requests(server, family):
+  _, _, extra, _ = family
+  assert post(server, "/v1/variants", {"name": "doomed",
+                                       "path": str(extra["x1"].resolve())}).status_code == 201
+  engine = server.server.engine
+  result, times = {}, {}
+
+  def stream():
+    r = post(server, "/v1/completions", {"model": "doomed", "prompt": "hi", "max_tokens": 40,
+                                         "temperature": 0, "stream": True}, stream=True)
+    lines = []
+    for line in r.iter_lines():
+      lines.append(line)
+      if len(lines) == 1:
+        times["first"] = time.time()
+    times["stream_done"] = time.time()
+    result["events"] = sse_events("\n\n".join(x.decode() for x in lines if x))
+
+  def delete():
+    r = requests.delete(server.url + "/v1/variants/doomed", headers=H, timeout=60)
+    times["delete_done"] = time.time()
+    result["delete"] = r
+
+  ts = threading.Thread(target=stream)
+  ts.start()
+  while "first" not in times:
+    time.sleep(0.005)
+  engine.call(lambda gen: time.sleep(1.0))  # hold the device thread: the request stays in flight
+  td = threading.Thread(target=delete)
+  td.start()
+  time.sleep(0.3)
+  assert "delete_done" not in times  # still waiting for the stream
+  assert "doomed" not in {m["id"] for m in get(server, "/v1/models").json()["data"]}
+  is_error(post(server, "/v1/completions", {"model": "doomed", "prompt": "x"}), 404)
+  ts.join(30)
+  td.join(30)
+  assert result["delete"].status_code == 200 and result["delete"].json()["deleted"]
+  assert times["delete_done"] >= times["stream_done"] - 0.05
+  ev = result["events"]
+  assert ev[-1] == "[DONE]" and ev[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+  assert "doomed" not in variants_info(server)
+
+
+def test_client_disconnect_frees_the_row(server):
+  async def main():
+    async with aiohttp.ClientSession(headers=H) as s:
+      async with s.post(server.url + "/v1/completions", json={
+          "model": "v1", "prompt": "hi", "max_tokens": 60, "stream": True}) as r:
+        await r.content.readline()  # first event, then hang up
+    for _ in range(200):
+      await asyncio.sleep(0.02)
+      if variants_info(server)["v1"]["in_flight"] == 0:
+        return True
+    return False
+
+  assert asyncio.run(main())
+  assert get(server, "/health").json()["active_rows"] == 0
+  assert complete(server, "v1", "hi", max_tokens=2)["model"] == "v1"
+
+
+def test_health_is_prompt_while_engine_busy(server):
+  engine = server.server.engine
+  bodies = [{"model": m, "prompt": "hi", "max_tokens": 30} for m in ["base", "v1"] * 6]
+
+  async def main():
+    fire = asyncio.ensure_future(_fire(server.url, bodies))
+    await asyncio.sleep(0.05)
+    engine.call(lambda gen: time.sleep(1.5))  # the device thread is busy for 1.5 s
+    await asyncio.sleep(0.1)
+    lat = []
+    async with aiohttp.ClientSession() as s:
+      for _ in range(5):
+        t0 = time.perf_counter()
+        async with s.get(server.url + "/health") as r:
+          assert r.status == 200
+        lat.append(time.perf_counter() - t0)
+    res = await fire
+    return lat, res
+
+  lat, res = asyncio.run(main())
+  assert max(lat) < 0.5, lat
+  assert all(s == 200 for s, _ in res)
+
+
+def metric(text: str, name: str, **labels) -> float | None:
+  from prometheus_client.parser import text_string_to_metric_families
+
+  for fam in text_string_to_metric_families(text):
+    for smp in fam.samples:
+      if smp.name == name and all(smp.labels.get(k) == v for k, v in labels.items()):
+        return smp.value
+  return None
+
+
+def test_metrics_exposition(server):
+  complete(server, "v1", "hello", max_tokens=4)
+  post(server, "/v1/completions", {"model": "v1", "prompt": "hi", "max_tokens": 4,
+                                   "stream": True})
+  m = get(server, "/metrics").text
+  assert metric(m, "bitdelta_requests_total", model="v1", endpoint="completions",
+                status="200") >= 2
+  assert metric(m, "bitdelta_generated_tokens_total", model="v1") >= 2
+  assert metric(m, "bitdelta_prompt_tokens_total", model="v1") >= 7
+  assert metric(m, "bitdelta_time_to_first_token_seconds_count", model="v1") >= 2
+  assert metric(m, "bitdelta_time_to_first_token_seconds_bucket", model="v1", le="+Inf") >= 2
+  assert metric(m, "bitdelta_inter_token_latency_seconds_count", model="v1") >= 1
+  assert metric(m, "bitdelta_cache_hits_total", model="v1", tier="device") >= 1
+  assert metric(m, "bitdelta_cache_misses_total", model="v1", tier="device") >= 1
+  assert metric(m, "bitdelta_variant_load_seconds_count", model="v1", source="disk") >= 1
+  assert metric(m, "bitdelta_variant_tier", model="v3", tier="device") == 1.0
+  assert metric(m, "bitdelta_variant_tier", model="v3", tier="disk") == 0.0
+  assert metric(m, "bitdelta_device_slots") == 3.0
+  for name in ("bitdelta_batch_occupancy", "bitdelta_queue_depth", "bitdelta_batch_rows_active",
+               "bitdelta_host_cache_bytes", "bitdelta_device_slots_used"):
+    assert metric(m, name) is not None, name
