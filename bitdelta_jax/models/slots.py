@@ -15,8 +15,8 @@
   `ValueError` names the tensor. A grown vocabulary (``extra_rows``) is always an error.
 * A tensor the delta omits is the base; a name the model lacks is an error.
 
-Each bank row is written by one jitted, buffer-donating ``dynamic_update_slice`` whose slot
-index is traced: one small compile per bank shape, none per slot, and the model's own jitted
+All bank rows of a slot are written by one jitted, buffer-donating update whose slot index is
+traced (`prepare_variant` on the host, then `write_variant`): one compile per model, none per slot, and the model's own jitted
 functions see arrays of unchanged shape and dtype, so they never retrace. Because the old bank
 buffers are donated, re-read ``nnx.state(model)`` after loading (`Generator` does this).
 Mutation is in place on the NNX module (the NNX idiom); ``nnx.state(model, SlotBank)`` gives
@@ -37,11 +37,6 @@ from flax import nnx
 
 from bitdelta_jax.delta.format import PackedDelta, _pack_bits, unpack_signs
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _set_row(bank: jax.Array, slot: jax.Array, row: jax.Array) -> jax.Array:
-  return jax.lax.dynamic_update_index_in_dim(bank, row.astype(bank.dtype), slot, 0)
 
 
 def _targets(model) -> dict[str, tuple[Any, str]]:
@@ -202,25 +197,70 @@ def _dense_of(pd: PackedDelta) -> np.ndarray:
   return np.asarray(dense_delta(jax.tree.map(np.asarray, pd), np.float32))
 
 
-def load_variant(model, slot: int, delta: Mapping[str, Any]) -> None:
-  """Writes a variant into ``slot`` of every bank (in place, no recompilation)."""
-  _check_slot(model, slot)
+@dataclasses.dataclass(frozen=True)
+class PreparedVariant:
+  """A variant converted on the host to one row per bank variable (order of `bank_vars`).
+
+  Building it is the slow, host-only part of a load (no device work): a server can run it on
+  an IO thread and hand the result to the device thread, which `write_variant`s it.
+  """
+
+  rows: tuple[np.ndarray, ...]
+  nbytes: int
+
+
+def bank_vars(model) -> list[nnx.Variable]:
+  """Every slot-bank variable of the model, in a fixed order."""
+  out, seen = [], set()
+  for _, (module, role) in _targets(model).items():
+    for var in _bank(module, role):
+      if var is not None and id(var) not in seen:
+        seen.add(id(var))
+        out.append(var)
+  return out
+
+
+def prepare_variant(model, delta: Mapping[str, Any]) -> PreparedVariant:
+  """Validates and converts ``delta`` into bank rows; raises before touching the model."""
   targets = _targets(model)
   unknown = sorted(set(delta) - set(targets))
   if unknown:
     raise ValueError(f"delta has tensors this model lacks: {unknown[:8]}")
-  # Validate and convert everything first, so a bad entry leaves the slot untouched.
-  updates: dict[int, tuple[nnx.Variable, np.ndarray | None]] = {}
+  by_var: dict[int, np.ndarray] = {}
   for name, (module, role) in targets.items():
     rows = _rows_for(name, module, role, delta[name]) if name in delta else None
     for i, var in enumerate(_bank(module, role)):
-      if var is not None:
-        updates[id(var)] = (var, None if rows is None or i >= len(rows) else rows[i])
-  s = jnp.int32(slot)
-  for var, row in updates.values():
-    bank = var[...]
-    new = jnp.zeros(bank.shape[1:], bank.dtype) if row is None else jnp.asarray(row, bank.dtype)
-    var.set_value(_set_row(bank, s, new))
+      if var is not None and rows is not None and i < len(rows) and rows[i] is not None:
+        by_var[id(var)] = rows[i]
+  out = []
+  for var in bank_vars(model):
+    shape, dtype = var[...].shape[1:], var[...].dtype
+    row = by_var.get(id(var))
+    out.append(np.zeros(shape, dtype) if row is None else np.asarray(row, dtype))
+  return PreparedVariant(tuple(out), sum(r.nbytes for r in out))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _set_rows(banks: tuple, slot: jax.Array, rows: tuple) -> tuple:
+  return tuple(jax.lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), slot, 0)
+               for b, r in zip(banks, rows))
+
+
+def write_variant(model, slot: int, prepared: PreparedVariant) -> None:
+  """Writes prepared rows into ``slot`` of every bank with one jitted, donating update."""
+  _check_slot(model, slot)
+  variables = bank_vars(model)
+  if len(variables) != len(prepared.rows):
+    raise ValueError("prepared variant does not match this model's banks")
+  new = _set_rows(tuple(v[...] for v in variables), jnp.int32(slot), prepared.rows)
+  for var, value in zip(variables, new):
+    var.set_value(value)
+
+
+def load_variant(model, slot: int, delta: Mapping[str, Any]) -> None:
+  """Writes a variant into ``slot`` of every bank (in place, no recompilation)."""
+  _check_slot(model, slot)
+  write_variant(model, slot, prepare_variant(model, delta))
 
 
 def clear_slot(model, slot: int) -> None:
