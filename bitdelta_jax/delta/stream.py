@@ -15,6 +15,7 @@ import math
 import shutil
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from bitdelta_jax.delta import pack_native
 from bitdelta_jax.delta.compress import (
   CompressPolicy,
   DeltaMismatchError,
@@ -92,20 +94,47 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
     sq_sum[r0:r0 + rows] = np.asarray(cs)[:rows]
     return bool(cc)
 
-  # Dispatch is asynchronous: the next block is read and checksummed while XLA packs this one.
-  for r0 in range(0, n, r):
-    b, f = base.read_rows(name, r0, r0 + r), ft.read_rows(name, r0, r0 + r)
-    base_crc.update(b)
-    rows = b.shape[0]
-    if rows < r:  # pad the last block so every block compiles to one shape
-      pad = ((0, r - rows), (0, 0))
-      b, f = np.pad(b, pad), np.pad(f, pad)
-    out = _linear_chunk(b, f, group_k=g)
+  first = (base.read_rows(name, 0, r), ft.read_rows(name, 0, r))
+  if pack_native.unavailable_reason(*first) is None:
+    # Native packer: the next block is read (and the base checksummed) on a thread while this
+    # one is packed; both release the GIL.
+    with ThreadPoolExecutor(1) as pool:
+      def read(r0):
+        b = base.read_rows(name, r0, r0 + r)
+        base_crc.update(b)
+        return b, ft.read_rows(name, r0, r0 + r)
+
+      base_crc.update(first[0])
+      nxt = None
+      blocks = list(range(0, n, r))
+      cur = first
+      for i, r0 in enumerate(blocks):
+        if i + 1 < len(blocks):
+          nxt = pool.submit(read, blocks[i + 1])
+        b, f = cur
+        cb, ca, cs, cc = pack_native.pack_rows(b, f, g)
+        rows = b.shape[0]
+        bits[:, r0:r0 + rows] = cb.T
+        abs_sum[r0:r0 + rows], sq_sum[r0:r0 + rows] = ca, cs
+        changed |= cc
+        if i + 1 < len(blocks):
+          cur = nxt.result()
+  else:
+    # XLA fallback. Dispatch is asynchronous: the next block is read and checksummed while XLA
+    # packs this one.
+    for r0 in range(0, n, r):
+      b, f = first if r0 == 0 else (base.read_rows(name, r0, r0 + r), ft.read_rows(name, r0, r0 + r))
+      base_crc.update(b)
+      rows = b.shape[0]
+      if rows < r:  # pad the last block so every block compiles to one shape
+        pad = ((0, r - rows), (0, 0))
+        b, f = np.pad(b, pad), np.pad(f, pad)
+      out = _linear_chunk(b, f, group_k=g)
+      if pending is not None:
+        changed |= collect(*pending)
+      pending = (r0, rows, out)
     if pending is not None:
       changed |= collect(*pending)
-    pending = (r0, rows, out)
-  if pending is not None:
-    changed |= collect(*pending)
   before = info.nbytes
   if not changed:
     return Dense("same"), TensorReport(name, "same", info.shape, info.dtype.name, before, 0, 0.0)

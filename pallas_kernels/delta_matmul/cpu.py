@@ -20,75 +20,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
 import pathlib
-import platform
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bitdelta_jax import native
+
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_delta_matmul"
-
-
-def _cache_dir() -> pathlib.Path:
-  root = os.environ.get("BITDELTA_CACHE_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "bitdelta_jax"
-  )
-  return pathlib.Path(root)
-
-
-def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, native: bool) -> None:
-  cmd = [
-    cxx,
-    "-O3",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-    "-w",
-    f"-I{jax.ffi.include_dir()}",
-    str(src),
-    "-o",
-    str(out),
-  ]
-  if native:
-    cmd.insert(1, "-march=native")
-  subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
   """Builds (once per machine and source version) and registers the kernel."""
-  if platform.system() != "Linux":
-    return None, f"the C++ CPU kernel is only built on Linux, not {platform.system()}"
-  cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if cxx is None:
-    return None, "no C++ compiler (g++/c++ or $CXX) found to build the CPU delta kernel"
-  key = hashlib.sha256(
-    _SOURCE.read_bytes() + cxx.encode() + jax.__version__.encode() + platform.machine().encode()
-  ).hexdigest()[:16]
-  lib_path = _cache_dir() / f"delta_term_{key}.so"
-  if not lib_path.exists():
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-      tmp_lib = pathlib.Path(tmp) / lib_path.name
-      errors = []
-      for native in (True, False):
-        try:
-          _compile(cxx, _SOURCE, tmp_lib, native)
-          break
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
-          errors.append(getattr(e, "stderr", None) or str(e))
-      else:
-        return None, "building the CPU delta kernel failed:\n" + "\n".join(errors)[-2000:]
-      os.replace(tmp_lib, lib_path)  # atomic: concurrent builders agree on the result
-  lib = ctypes.cdll.LoadLibrary(str(lib_path))
+  lib, reason = native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
+                             key_extra=jax.__version__.encode())
+  if lib is None:
+    return None, f"the CPU delta kernel cannot be built: {reason}"
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
   return lib, None
 

@@ -1,0 +1,61 @@
+"""Small C++ helpers compiled on first use with the system compiler and cached.
+
+Used by the CPU delta-matmul kernel (`pallas_kernels/delta_matmul/cpu.py`) and the compression
+packer (`bitdelta_jax/delta/pack_native.py`). A build is keyed by the source, the compiler and
+the extra key (e.g. the jax version for FFI headers); ``-march=native`` is tried first, then a
+portable build. Without a compiler, callers get the reason and fall back to pure XLA/numpy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+
+def cache_dir() -> pathlib.Path:
+  root = os.environ.get("BITDELTA_CACHE_DIR") or os.path.join(
+    os.path.expanduser("~"), ".cache", "bitdelta_jax")
+  return pathlib.Path(root)
+
+
+def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, native: bool,
+             include_dirs: tuple[str, ...]) -> None:
+  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
+         *(f"-I{d}" for d in include_dirs), str(src), "-o", str(out)]
+  if native:
+    cmd.insert(1, "-march=native")
+  subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+
+
+def build(source: pathlib.Path, name: str, *, include_dirs: tuple[str, ...] = (),
+          key_extra: bytes = b"") -> tuple[ctypes.CDLL | None, str | None]:
+  """(the loaded library, None), or (None, why it cannot be built here)."""
+  if platform.system() != "Linux":
+    return None, f"native helpers are only built on Linux, not {platform.system()}"
+  cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if cxx is None:
+    return None, "no C++ compiler (g++/c++ or $CXX) found"
+  key = hashlib.sha256(source.read_bytes() + cxx.encode() + key_extra
+                       + platform.machine().encode()).hexdigest()[:16]
+  lib_path = cache_dir() / f"{name}_{key}.so"
+  if not lib_path.exists():
+    lib_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+      tmp_lib = pathlib.Path(tmp) / lib_path.name
+      errors = []
+      for native in (True, False):
+        try:
+          _compile(cxx, source, tmp_lib, native, include_dirs)
+          break
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
+          errors.append(getattr(e, "stderr", None) or str(e))
+      else:
+        return None, f"building {source.name} failed:\n" + "\n".join(errors)[-2000:]
+      os.replace(tmp_lib, lib_path)  # atomic: concurrent builders agree on the result
+  return ctypes.cdll.LoadLibrary(str(lib_path)), None
