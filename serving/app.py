@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -29,7 +31,7 @@ from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
 from serving.engine import Engine, Event, GenRequest
 from serving.metrics import CONTENT_TYPE_LATEST, Metrics
-from serving.registry import Registry, RegistryError, changes_embeddings
+from serving.registry import Registry, RegistryError, changes_embeddings, is_adapter
 from serving.router import Router, UnknownModel
 
 log = logging.getLogger("serving.app")
@@ -63,9 +65,14 @@ class Server:
     emb = cfg.embedding_slots
     if emb is None:
       emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
-    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb)
+    lora_rank = cfg.lora_rank
+    if lora_rank is None:
+      lora_rank = max([m["lora_rank"] for m in manifests.values()
+                       if isinstance(m, dict) and "lora_rank" in m], default=0)
     self.base_fp = await loop.run_in_executor(
       self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
+    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
+                             lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]))
     for name, path in cfg.variants:
       name, p = self.registry.check(name, path, source="config")
       try:
@@ -77,7 +84,8 @@ class Server:
       if err:  # keep serving the others; requests for this one get the error
         log.warning("variant %s: %s", name, err)
         v.load_error = err
-    self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb)
+    self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
+                         lora_rank=lora_rank)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
                             write_slot=self._write_slot, io_pool=self.io)
@@ -100,6 +108,11 @@ class Server:
     check_base(manifest, self.base_fp, where=where)
 
   def _read_delta(self, v) -> dict:  # IO thread
+    if is_adapter(v.path):  # a PEFT LoRA adapter goes into the same slot banks
+      from bitdelta_jax.merge.lora import load_adapter
+      from bitdelta_jax.models.slots import lora_entries
+
+      return lora_entries(load_adapter(v.path))
     return load_delta(v.path, base_fingerprint=self.base_fp)[0]
 
   def _write_slot(self, slot: int, delta) -> concurrent.futures.Future:
@@ -319,8 +332,13 @@ def _read_manifests(variants) -> dict:
   out = {}
   for name, path in variants:
     try:
+      if is_adapter(path):
+        cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+        ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
+        out[name] = {"lora_rank": int(max(ranks)), "tensors": {}}
+        continue
       out[name] = read_manifest(path)
-    except (DeltaStoreError, OSError) as e:
+    except (DeltaStoreError, OSError, ValueError) as e:
       out[name] = e
   return out
 

@@ -23,7 +23,7 @@ _FIELDS = {
   "base_name": "base_name", "host": "host", "port": "port", "api_key": "api_key",
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
-  "default_max_tokens": "default_max_tokens",
+  "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
 }
 
 
@@ -32,7 +32,7 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--base", required=require_base, metavar="DIR",
                  help="base model: an HF directory with tokenizer.json")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=DELTA_DIR",
-                 help="serve a variant (repeatable)")
+                 help="serve a variant: a delta directory or a PEFT LoRA adapter (repeatable)")
   p.add_argument("--config", metavar="FILE", help="JSON config file (same field names)")
   p.add_argument("--base-name", help="the base's model id (default: its directory name)")
   p.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -52,6 +52,9 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request omits it")
   p.add_argument("--variant-root", action="append", default=[], metavar="DIR",
                  help="POST /v1/variants paths must lie under one of these (repeatable)")
+  p.add_argument("--lora-rank", type=int, metavar="R",
+                 help="rank of the LoRA slots for PEFT adapters registered at runtime "
+                      "(default: the largest rank of the configured adapters)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
 
 

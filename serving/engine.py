@@ -64,9 +64,11 @@ class GenRequest:
 
 class Engine:
   def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *,
-               embedding_slots: bool = False, model_factory: Callable | None = None):
+               embedding_slots: bool = False, lora_rank: int = 0,
+               model_factory: Callable | None = None):
     self.cfg, self.metrics, self.tokenizer = cfg, metrics, tokenizer
     self.embedding_slots = embedding_slots
+    self.lora_rank = lora_rank
     self._model_factory = model_factory
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
     self._thread: threading.Thread | None = None
@@ -114,7 +116,8 @@ class Engine:
       model = self._model_factory()
     else:
       model = from_pretrained(cfg.base, getattr(jnp, cfg.dtype), num_slots=cfg.device_slots + 1,
-                              dense_embedding_slots=self.embedding_slots)
+                              dense_embedding_slots=self.embedding_slots,
+                              lora_rank=self.lora_rank)
     self.vocab_size = model.config.vocab_size
     return Generator(model, buckets=cfg.prefill_buckets, max_seq_len=cfg.max_seq_len,
                      max_rows=cfg.max_batch, tokenizer=self.tokenizer)

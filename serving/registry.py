@@ -41,6 +41,10 @@ def manifest_bytes(manifest: dict) -> int:
   return total
 
 
+def is_adapter(path) -> bool:
+  return os.path.exists(os.path.join(path, "adapter_config.json"))
+
+
 def changes_embeddings(manifest: dict) -> bool:
   return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] != "same"
              for n, m in manifest["tensors"].items())
@@ -83,10 +87,13 @@ class Variant:
 
 class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
-               embedding_slots: bool = False):
+               embedding_slots: bool = False, lora_rank: int = 0,
+               base_tensors: set[str] | None = None):
     self.base_id = base_id
     self.admin_roots = tuple(Path(r).resolve() for r in admin_roots)
     self.embedding_slots = embedding_slots
+    self.lora_rank = lora_rank
+    self.base_tensors = base_tensors
     self._variants: dict[str, Variant] = {}
 
   # -- lookup ----------------------------------------------------------------------------------
@@ -128,9 +135,14 @@ class Registry:
     return name, p.resolve()
 
   def inspect(self, path: Path, base_check) -> int:
-    """Reads and checks the manifest (run in an IO thread); returns the delta's bytes."""
+    """Reads and checks the manifest (run in an IO thread); returns the delta's bytes.
+
+    A directory with ``adapter_config.json`` is a PEFT LoRA adapter: its modules must be linear
+    layers of the base and its rank must fit the model's LoRA slots."""
     if not os.path.isdir(path):
       raise RegistryError(f"{path}: no such delta directory", param="path")
+    if is_adapter(path):
+      return self._inspect_adapter(path)
     m = read_manifest(path)
     if base_check is not None:
       base_check(m, str(path))
@@ -140,6 +152,24 @@ class Registry:
         f"without per-slot embedding banks (start it with this variant configured, or with "
         f"--embedding-slots)", param="path")
     return manifest_bytes(m)
+
+  def _inspect_adapter(self, path: Path) -> int:
+    from bitdelta_jax.merge.lora import load_adapter
+
+    try:
+      adapter = load_adapter(path)
+    except (ValueError, OSError, NotImplementedError) as e:
+      raise RegistryError(f"{path}: not a usable PEFT LoRA adapter: {e}", param="path") from None
+    if self.base_tensors is not None:
+      unknown = sorted(m for m in adapter.modules if f"{m}.weight" not in self.base_tensors)
+      if unknown:
+        raise RegistryError(f"{path}: adapter modules not in the base: {unknown[:4]}",
+                            param="path")
+    if adapter.rank > self.lora_rank:
+      raise RegistryError(
+        f"{path}: LoRA rank {adapter.rank} exceeds the server's LoRA slot rank {self.lora_rank} "
+        "(start the server with --lora-rank, or with this adapter configured)", param="path")
+    return adapter.nbytes
 
   def add(self, name: str, path: Path, nbytes: int, *, source: str) -> Variant:
     if name in self._variants:  # raced with another registration

@@ -65,6 +65,22 @@ class LoraEntry:
   a: np.ndarray
   b: np.ndarray
 
+  @property
+  def nbytes(self) -> int:
+    return int(self.a.nbytes + self.b.nbytes)
+
+
+def lora_entries(adapter) -> dict[str, LoraEntry]:
+  """A PEFT adapter (`bitdelta_jax.merge.lora.LoraAdapter`) as slot entries keyed by HF weight
+  name; `load_variant` accepts them like 1-bit deltas."""
+  out = {}
+  for module_name, m in adapter.modules.items():
+    if m.fan_in_fan_out:
+      raise ValueError(f"module {module_name!r}: fan_in_fan_out adapters are not for Llama layers")
+    out[f"{module_name}.weight"] = LoraEntry(
+      a=np.asarray(m.A, np.float32).T, b=(m.scale * np.asarray(m.B, np.float32)).T)
+  return out
+
 
 def _bank(module, role: str) -> list[nnx.Variable | None]:
   if role == "linear":
@@ -182,13 +198,7 @@ def _lora_rows(name: str, module: DeltaDense, e: LoraEntry) -> list[np.ndarray |
 
 def load_lora(model, slot: int, adapter) -> None:
   """Writes a PEFT LoRA adapter (`bitdelta_jax.merge.lora.LoraAdapter`) into ``slot``."""
-  delta = {}
-  for module_name, m in adapter.modules.items():
-    if m.fan_in_fan_out:
-      raise ValueError(f"module {module_name!r}: fan_in_fan_out adapters are not for Llama layers")
-    delta[f"{module_name}.weight"] = LoraEntry(
-      a=np.asarray(m.A, np.float32).T, b=(m.scale * np.asarray(m.B, np.float32)).T)
-  load_variant(model, slot, delta)
+  load_variant(model, slot, lora_entries(adapter))
 
 
 def _dense_of(pd: PackedDelta) -> np.ndarray:
