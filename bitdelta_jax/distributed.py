@@ -1,0 +1,140 @@
+"""Multi-process (multi-host) JAX: initialisation from CLI options, plan broadcast, watchdog.
+
+JAX's multi-controller runtime is the distributed engine: every process runs the same
+jitted steps over one global mesh (`bitdelta_jax.sharding.make_mesh` sees all processes'
+devices after `initialize`), and XLA's collectives move the data. This module only adds:
+
+* `add_arguments` / `DistributedConfig.from_args`: ``--coordinator HOST:PORT
+  --num-processes N --process-id I`` (and ``--mesh``), for ``bitdelta serve`` / ``demo``.
+* `initialize`: ``jax.distributed.initialize`` with bounded timeouts; on CPU it selects the
+  gloo collectives (needed for cross-process computations on CPU devices).
+* `broadcast_json`: process 0's batch plan (any JSON value) to every process, through a
+  collective (no side channel), so all processes dispatch the same steps in the same order.
+* `run_with_timeout`: runs a step and raises `WorkerLost` if it fails or does not finish in
+  time, so process 0 can fail requests with a clear error instead of hanging when a worker
+  dies (a collective with a dead peer blocks or errors; the coordination service itself only
+  notices after ``heartbeat_timeout_s`` and then terminates the survivors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import threading
+
+import numpy as np
+
+
+class WorkerLost(RuntimeError):
+  """A distributed step failed or timed out: a worker process is likely dead or hung."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  coordinator: str | None = None
+  num_processes: int = 1
+  process_id: int = 0
+  mesh: str | None = None
+  init_timeout_s: int = 120
+  heartbeat_timeout_s: int = 60
+  step_timeout_s: float = 120.0
+
+  def __post_init__(self):
+    if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+      raise ValueError(
+        f"process id {self.process_id} must be in [0, {self.num_processes}) (--num-processes)"
+      )
+    if self.num_processes > 1 and not self.coordinator:
+      raise ValueError("--num-processes > 1 needs --coordinator HOST:PORT")
+
+  @property
+  def multi_process(self) -> bool:
+    return self.num_processes > 1
+
+  @classmethod
+  def from_args(cls, args: argparse.Namespace) -> DistributedConfig:
+    return cls(
+      coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id,
+      mesh=getattr(args, "mesh", None), step_timeout_s=args.step_timeout,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, mesh: bool = True) -> None:
+  """Adds ``--coordinator``, ``--num-processes``, ``--process-id``, ``--step-timeout`` (and
+  ``--mesh``) to a CLI parser."""
+  g = parser.add_argument_group("distributed")
+  g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator")
+  g.add_argument("--num-processes", type=int, default=1)
+  g.add_argument("--process-id", type=int, default=0)
+  g.add_argument("--step-timeout", type=float, default=120.0,
+                 help="seconds before a distributed step is declared lost (worker death)")
+  if mesh:
+    g.add_argument("--mesh", default=None, help="device mesh, e.g. data=2,model=4 (default: "
+                   "all devices on model)")
+
+
+def initialize(cfg: DistributedConfig) -> bool:
+  """Starts the multi-controller runtime; False (nothing done) for a single process.
+
+  Must run before anything touches a JAX backend.
+  """
+  if not cfg.multi_process:
+    return False
+  import jax
+
+  try:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except Exception:  # noqa: BLE001 - an older jax without the option: GPU/TPU still work
+    pass
+  jax.distributed.initialize(
+    coordinator_address=cfg.coordinator, num_processes=cfg.num_processes,
+    process_id=cfg.process_id, initialization_timeout=cfg.init_timeout_s,
+    heartbeat_timeout_seconds=cfg.heartbeat_timeout_s,
+  )
+  return True
+
+
+def broadcast_json(obj=None, *, max_bytes: int = 1 << 16):
+  """Process 0's ``obj`` on every process (others pass anything; it is ignored)."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  buf = np.zeros(max_bytes + 4, np.uint8)
+  if jax.process_index() == 0:
+    raw = json.dumps(obj).encode()
+    if len(raw) > max_bytes:
+      raise ValueError(f"plan of {len(raw)} bytes exceeds max_bytes={max_bytes}")
+    buf[:4] = np.frombuffer(np.uint32(len(raw)).tobytes(), np.uint8)
+    buf[4:4 + len(raw)] = np.frombuffer(raw, np.uint8)
+  out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+  n = int(out[:4].view(np.uint32)[0])
+  return json.loads(out[4:4 + n].tobytes().decode())
+
+
+def run_with_timeout(fn, *args, timeout_s: float, what: str = "distributed step", **kwargs):
+  """``fn(*args, **kwargs)`` (blocking on its result), or `WorkerLost` after ``timeout_s``.
+
+  A step stuck in a collective cannot be cancelled: the caller should fail its requests and
+  exit (the thread is a daemon and does not keep the process alive).
+  """
+  import jax
+
+  result: dict = {}
+
+  def target():
+    try:
+      result["value"] = jax.block_until_ready(fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - re-raised below as WorkerLost
+      result["error"] = e
+
+  t = threading.Thread(target=target, name=f"bitdelta-{what}", daemon=True)
+  t.start()
+  t.join(timeout_s)
+  if t.is_alive():
+    raise WorkerLost(
+      f"{what} did not finish within {timeout_s:g} s: a worker process is likely dead or hung"
+    )
+  if "error" in result:
+    raise WorkerLost(f"{what} failed: {result['error']}") from result["error"]
+  return result["value"]

@@ -1,0 +1,338 @@
+"""Subprocess side of tests/test_sharding.py: runs with N simulated CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py \
+        equivalence|restore OUT.json [--meshes 1x8 2x4 8x1]
+
+The flag must be set before jax starts, which is why this is a separate process (the pytest
+process has one device). Writes a JSON report; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bitdelta_jax import sharding  # noqa: E402
+from bitdelta_jax.delta.compress import Dense  # noqa: E402
+from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
+from bitdelta_jax.models.generate import Generator  # noqa: E402
+from bitdelta_jax.models.layers import DeltaDense, SlotBank  # noqa: E402
+from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
+
+# hidden 512: o_proj (K=512) is row-parallel on model=4 but not on model=8 (512 < 8 x 128:
+# falls back to column-parallel); down_proj (K=1024) is row-parallel on both.
+CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
+                  num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,
+                  num_slots=4, dense_embedding_slots=True)
+SLOTS = [0, 1, 2, 3, 1, 2, 3, 0]
+
+
+def variant(model, seed: int) -> dict:
+  """Random 1-bit deltas (slot 1 per-matrix α, others per-column) + dense norm/bias/embedding
+  deltas for seed 3, so every bank kind is exercised."""
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, (mod, role) in _targets(model).items():
+    if role == "linear":
+      kp, n = mod.delta_bits.shape[1:]
+      scale = (np.full((1,), 0.01, np.float32) if seed == 1
+               else rng.uniform(0.005, 0.02, (n,)).astype(np.float32))
+      out[name] = PackedDelta(rng.integers(0, 256, (kp, n), dtype=np.uint8), scale,
+                              (mod.in_features, mod.out_features), mod.group_k,
+                              "matrix" if seed == 1 else "column")
+    elif seed == 3 and role in ("norm", "bias"):
+      shape = np.shape(mod.weight.get_value() if role == "norm" else mod.bias.get_value())
+      out[name] = Dense("delta", (0.05 * rng.standard_normal(shape)).astype(np.float32))
+    elif seed == 3 and role in ("embed", "head"):
+      w = np.asarray(mod.weight.get_value() if role == "embed" else mod.kernel.get_value().T)
+      out[name] = Dense("value", (w + 0.01 * rng.standard_normal(w.shape)).astype(np.float32))
+  return out
+
+
+def prompts_batch(rng):
+  lengths = np.asarray([16, 5, 9, 12, 3, 16, 7, 11], np.int32)
+  ids = rng.integers(3, CFG.vocab_size, (8, 16)).astype(np.int32)
+  ids[np.arange(16)[None] >= lengths[:, None]] = 0
+  return ids, lengths
+
+
+def run_forward(prefill, decode, to_cache, ids, lengths, slot_ids, max_len=24, steps=3):
+  """Prefill a batch, copy into a cache, decode ``steps`` greedy steps; logits per step."""
+  logits, k, v = prefill(ids, lengths, slot_ids)
+  out = {"prefill": np.asarray(logits), "k": np.asarray(k)}
+  b = ids.shape[0]
+  shape = (CFG.num_layers, b, max_len, CFG.num_kv_heads, CFG.head_dim)
+  kc = np.zeros(shape, np.float32)
+  vc = np.zeros(shape, np.float32)
+  kc[:, :, :16], vc[:, :, :16] = np.asarray(k), np.asarray(v)
+  kc, vc = to_cache(kc), to_cache(vc)
+  pos, tok = lengths.copy(), np.asarray(logits).argmax(-1).astype(np.int32)
+  for i in range(steps):
+    logits, kc, vc = decode(tok, pos, slot_ids, kc, vc)
+    out[f"decode{i}"] = np.asarray(logits)
+    tok, pos = np.asarray(logits).argmax(-1).astype(np.int32), pos + 1
+  return out
+
+
+class _Plain:
+  def __init__(self, model):
+    g, s = nnx.split(model)
+    self.s = s
+    self.p = jax.jit(lambda s, *a: nnx.merge(g, s).prefill(*a))
+    self.d = jax.jit(lambda s, *a: nnx.merge(g, s).decode(*a))
+
+  def prefill(self, *a):
+    return self.p(self.s, *a)
+
+  def decode(self, *a):
+    return self.d(self.s, *a)
+
+
+def u8_all_gathers(sm: sharding.ShardedModel, b: int) -> int:
+  """all-gather ops on uint8 (delta bits) in the compiled decode step."""
+  kv = jax.ShapeDtypeStruct((CFG.num_layers, b, 24, CFG.num_kv_heads, CFG.head_dim), jnp.float32)
+  i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
+  txt = sm._decode_fn(b).lower(sm.state, i32, i32, i32, kv, kv).compile().as_text()
+  return sum(1 for line in txt.splitlines() if "all-gather" in line and "u8[" in line)
+
+
+def equivalence(meshes: list[str]) -> dict:
+  rng = np.random.default_rng(0)
+  ids, lengths = prompts_batch(rng)
+  slot_ids = np.asarray(SLOTS, np.int32)
+  ref_model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  variants = {s: variant(ref_model, s) for s in (1, 2, 3)}
+  for s, d in variants.items():
+    load_variant(ref_model, s, d)
+  plain = _Plain(ref_model)
+  ref = run_forward(plain.prefill, plain.decode, jnp.asarray, ids, lengths, slot_ids)
+  base_only = run_forward(plain.prefill, plain.decode, jnp.asarray, ids, lengths,
+                          np.zeros(8, np.int32), steps=0)
+  prompts = [list(r[:n]) for r, n in zip(ids, lengths)]
+  gp = SamplingParams(max_new_tokens=6)
+  ref_gen = Generator(ref_model, buckets=(16,), max_seq_len=32, max_rows=8)
+  ref_tokens = [g.tokens for g in ref_gen.generate(prompts, SLOTS, gp)]
+  report = {"variant_effect": float(np.abs(ref["prefill"] - base_only["prefill"]).max()),
+            "meshes": {}}
+  for spec in meshes:
+    d, m = (int(x) for x in spec.split("x"))
+    t0 = time.perf_counter()
+    mesh = sharding.make_mesh(f"data={d},model={m}")
+    model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+    plan = sharding.shard_model(model, mesh)
+    for s, dl in variants.items():
+      sharding.load_variant_sharded(model, s, dl)
+    sm = sharding.ShardedModel(model, mesh)
+    out = run_forward(sm.prefill, sm.decode, lambda a, sm=sm: jax.device_put(
+      a, sm.kv_sharding(8)), ids, lengths, slot_ids)
+    gen = sharding.ShardedGenerator(model, mesh, buckets=(16,), max_seq_len=32, max_rows=8)
+    toks = [g.tokens for g in gen.generate(prompts, SLOTS, gp)]
+    bits_frac = {}
+    for path, node in nnx.iter_graph(model):
+      if isinstance(node, DeltaDense):
+        bank = node.delta_bits.get_value()
+        bits_frac[str(path[-1])] = max(s.data.nbytes for s in bank.addressable_shards) / bank.nbytes
+    banks = nnx.state(model, SlotBank)
+    report["meshes"][spec] = {
+      "max_abs_diff": {k: float(np.abs(out[k] - ref[k]).max()) for k in ref},
+      "max_abs_ref": {k: float(np.abs(ref[k]).max()) for k in ref},
+      "tokens_equal": toks == ref_tokens,
+      "tokens": toks,
+      "modes": sorted({f"{p[-1]}={mo}" for p, mo in plan.modes.items()}),
+      "notes": plan.notes,
+      "bits_shard_fraction": bits_frac,
+      "bank_bytes_per_device": sharding.per_device_bytes(banks),
+      "u8_all_gathers_in_decode": u8_all_gathers(sm, 8),
+      "kv_spec": str(gen._state_sh.k.spec),
+      "seconds": time.perf_counter() - t0,
+    }
+  report["ref_tokens"] = ref_tokens
+  return report
+
+
+def restore(meshes: list[str]) -> dict:
+  from bitdelta_jax.delta.store import load_delta
+  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.models import from_pretrained
+  from bitdelta_jax.synthetic import SyntheticConfig, write_pair
+
+  syn = SyntheticConfig(vocab_size=256, hidden_size=512, intermediate_size=1024,
+                        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+  tmp = pathlib.Path(tempfile.mkdtemp())
+  base_dir, ft_dir = write_pair(tmp, syn)
+  compress_checkpoints(base_dir, ft_dir, tmp / "delta", progress=False)
+  reads: list[tuple[str, int]] = []
+  orig_rows, orig_read = CheckpointReader.read_rows, CheckpointReader.read
+
+  def read_rows(self, name, start, stop):
+    a = orig_rows(self, name, start, stop)
+    reads.append((name, a.nbytes))
+    return a
+
+  def read(self, name, copy=True):
+    a = orig_read(self, name, copy)
+    if copy:
+      reads.append((name, a.nbytes))
+    return a
+
+  ref = from_pretrained(base_dir, jnp.float32, num_slots=2)
+  load_variant(ref, 1, load_delta(tmp / "delta")[0])
+  ref_state = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(ref))}
+  ids = np.arange(3, 19, dtype=np.int32)[None].repeat(2, 0)
+  lens, slots = np.asarray([16, 10], np.int32), np.asarray([1, 0], np.int32)
+  ref_logits = np.asarray(_Plain(ref).prefill(ids, lens, slots)[0])
+  report = {}
+  for spec in meshes:
+    d, m = (int(x) for x in spec.split("x"))
+    mesh = sharding.make_mesh(f"data={d},model={m}")
+    reads.clear()
+    CheckpointReader.read_rows, CheckpointReader.read = read_rows, read
+    try:
+      model = sharding.restore_base(base_dir, mesh, jnp.float32, num_slots=2)
+    finally:
+      CheckpointReader.read_rows, CheckpointReader.read = orig_rows, orig_read
+    sharding.load_variant_sharded(model, 1, tmp / "delta")
+    state = nnx.state(model)
+    plan = sharding.plan_model(model, dict(mesh.shape))
+    mismatch, shard_bad, full_reads = [], [], []
+    sharded_names = set()
+    for p, v in nnx.to_flat_state(state):
+      a = v.get_value()
+      if not np.array_equal(np.asarray(a), ref_state[p]):
+        mismatch.append(".".join(map(str, p)))
+      pspec = plan.specs.get(p, jax.sharding.PartitionSpec())
+      split = int(np.prod([mesh.shape[ax] for ax in pspec if ax is not None]))
+      if split > 1:
+        sharded_names.add(".".join(map(str, p)))
+      want = a.nbytes // split
+      if any(s.data.nbytes != want for s in a.addressable_shards):
+        shard_bad.append(".".join(map(str, p)))
+    hf_sizes = {n: CheckpointReader(base_dir).info(n).nbytes for n, _ in reads}
+    for name, nbytes in reads:
+      flax = name[:-len(".weight")] + ".kernel" if name.endswith("_proj.weight") or name == (
+        "lm_head.weight") else name
+      if flax in sharded_names and nbytes >= hf_sizes[name]:
+        full_reads.append(name)
+    ckpt = tmp / f"orbax_{spec}"
+    sharding.save_state(ckpt, model)
+    back = sharding.restore_state(ckpt, ref.config, mesh)
+    back_state = nnx.state(back)
+    orbax_bad = [
+      ".".join(map(str, p)) for (p, v), (_, w) in zip(nnx.to_flat_state(back_state),
+                                                      nnx.to_flat_state(state))
+      if not np.array_equal(np.asarray(v.get_value()), np.asarray(w.get_value()))
+      or v.get_value().sharding != w.get_value().sharding
+    ]
+    logits = np.asarray(sharding.ShardedModel(model, mesh).prefill(ids, lens, slots)[0])
+    per_dev = sharding.per_device_bytes(state)
+    report[spec] = {
+      "value_mismatch": mismatch,
+      "bad_shard_sizes": shard_bad,
+      "full_tensor_reads_of_sharded": full_reads,
+      "num_reads": len(reads),
+      "orbax_mismatch": orbax_bad,
+      "logits_max_abs_diff": float(np.abs(logits - ref_logits).max()),
+      "per_device_bytes": per_dev,
+      "total_bytes": int(sum(x.nbytes for x in jax.tree.leaves(state))),
+      "orbax_per_device_bytes": sharding.per_device_bytes(back_state),
+    }
+  return report
+
+
+def multihost(a) -> dict:
+  """One of N processes (4 CPU devices each, gloo): sharded generation over the global mesh;
+  process 0 also runs the unsharded reference on its own first device. With ``--kill``,
+  process 1 then exits abruptly and process 0 times a step that cannot complete."""
+  from bitdelta_jax import distributed
+
+  cfg = distributed.DistributedConfig(a.coordinator, a.num_processes, a.process_id,
+                                      init_timeout_s=60, heartbeat_timeout_s=60)
+  distributed.initialize(cfg)
+  rng = np.random.default_rng(0)
+  ids, lengths = prompts_batch(rng)
+  prompts = [list(map(int, r[:n])) for r, n in zip(ids, lengths)]
+  # Process 0 decides the batch plan; every process receives it through a collective.
+  plan = distributed.broadcast_json(
+    {"prompts": prompts, "slots": SLOTS} if jax.process_index() == 0 else None)
+  gp = SamplingParams(max_new_tokens=6)
+  ref_model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  variants = {s: variant(ref_model, s) for s in (1, 2, 3)}
+  rep = {"process": jax.process_index(), "processes": jax.process_count(),
+         "local_devices": jax.local_device_count(), "devices": jax.device_count()}
+  if jax.process_index() == 0:
+    local = jax.local_devices()[0]
+    with jax.default_device(local):
+      for s, d in variants.items():
+        load_variant(ref_model, s, d)
+      ref_gen = Generator(ref_model, buckets=(16,), max_seq_len=32, max_rows=8)
+      rep["ref_tokens"] = [g.tokens for g in ref_gen.generate(plan["prompts"], plan["slots"], gp)]
+  mesh = sharding.make_mesh(a.mesh)
+  model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  sharding.shard_model(model, mesh)
+  gen = sharding.ShardedGenerator(model, mesh, buckets=(16,), max_seq_len=32, max_rows=8)
+  for s, d in variants.items():
+    gen.load_variant(s, d)
+  rep["tokens"] = [g.tokens for g in gen.generate(plan["prompts"], plan["slots"], gp)]
+  from jax.experimental import multihost_utils
+
+  state = gen.init_state()
+  multihost_utils.sync_global_devices("generated")
+  if a.kill:
+    if jax.process_index() == 1:
+      pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
+      time.sleep(1)  # let process 0's side of the barrier finish
+      os._exit(0)  # then the worker dies without a word
+    time.sleep(3)
+    t0 = time.perf_counter()
+    try:
+      distributed.run_with_timeout(gen.step, state, timeout_s=a.step_timeout)
+      rep["worker_lost"] = None
+    except distributed.WorkerLost as e:
+      rep["worker_lost"] = str(e)
+    rep["detect_s"] = time.perf_counter() - t0
+  return rep
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("mode", choices=["equivalence", "restore", "multihost"])
+  ap.add_argument("out")
+  ap.add_argument("--meshes", nargs="+", default=["1x8", "2x4", "8x1"])
+  ap.add_argument("--mesh", default="data=2,model=4")
+  ap.add_argument("--coordinator")
+  ap.add_argument("--num-processes", type=int, default=1)
+  ap.add_argument("--process-id", type=int, default=0)
+  ap.add_argument("--kill", action="store_true")
+  ap.add_argument("--step-timeout", type=float, default=10.0)
+  a = ap.parse_args()
+  t0 = time.perf_counter()
+  if a.mode == "multihost":
+    rep = multihost(a)
+    rep["seconds_total"] = time.perf_counter() - t0
+    pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
+    os._exit(0)  # skip jax.distributed shutdown: a dead peer would make it wait
+  rep = equivalence(a.meshes) if a.mode == "equivalence" else restore(a.meshes)
+  rep["devices"] = jax.device_count()
+  rep["seconds_total"] = time.perf_counter() - t0
+  pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
+
+
+if __name__ == "__main__":
+  main()
