@@ -92,7 +92,7 @@ def test_teacher_forced_exact_match_equals_greedy_decoding(micro):
   base_dir, _ = shipped_family(micro / "fam")
   ft_dir = next((micro / "cache").glob("*/nano-math"))
   model = from_pretrained(ft_dir, dtype=jnp.float32)
-  held = TASKS["nano-math"].splits(0, 24, 0)[1]
+  held = TASKS["nano-math"].heldout(24)
   tok = build_tokenizer()
   gen = Generator(model, buckets=(32,), max_seq_len=48, max_rows=8)
   outs = gen.generate([encode_prompt(p) for p, _ in held], 0,

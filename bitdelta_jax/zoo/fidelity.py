@@ -45,7 +45,7 @@ def _layer_errors(delta_dir: Path) -> dict[str, float]:
 
 def evaluate_variant(name: str, base_dir: Path, ft_dir: Path, cfg: ZooConfig, n_eval: int,
                      work: Path, *, progress: bool = False) -> dict:
-  held = TASKS[name].splits(0, n_eval, cfg.seed)[1]
+  held = TASKS[name].heldout(n_eval, cfg.seed)
   calib = [TASKS[name].example(random.Random(f"{name}:calib:{i}")) for i in range(512)]
   dirs = {}
   for gran in ("matrix", "column"):

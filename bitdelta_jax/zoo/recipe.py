@@ -47,15 +47,17 @@ class ZooConfig:
   num_heads: int = 4
   num_kv_heads: int = 2
   max_position_embeddings: int = 512
-  pretrain_steps: int = 500
-  pretrain_batch: int = 32
+  pretrain_steps: int = 1500
+  pretrain_batch: int = 16
   pretrain_seq: int = 128
   pretrain_lr: float = 3e-3
-  finetune_steps: int = 400
-  finetune_batch: int = 64
+  finetune_steps: int = 500
+  finetune_batch: int = 32
   finetune_seq: int = 40
-  finetune_lr: float = 1e-3
+  finetune_lr: float = 3e-4
   n_eval: int = 256
+  text_every: int = 4  # one pre-training batch in this many is stdlib text, the rest task lines
+  base_skills: int = 0  # how many of `BASE_SKILLS` the base also sees
   tasks: tuple[str, ...] = tuple(TASKS)
   seed: int = 0
 
@@ -86,19 +88,24 @@ def _task_batches(task, batch: int, seq: int, seed: int) -> Iterator[tuple[np.nd
 
 
 def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """Alternates stdlib text windows with chat-formatted general-skill examples (packed into
-  rows of the same length; loss on every token of the text, on answers of the skills)."""
-  from bitdelta_jax.zoo.data import encode_example
+  """Alternates stdlib text windows with rows of plain-text task lines.
+
+  The task lines (``reverse abc = cba<eos>``) cover the general skills and the variants' tasks
+  in a plain format, as a real base model has seen such things in its corpus; the fine-tunes
+  then teach the chat format (``<|user|>reverse abc<|assistant|>cba<eos>``), which the base never
+  saw, so the base scores low on the held-out chat prompts and the deltas stay small.
+  """
   from bitdelta_jax.zoo.tasks import BASE_SKILLS
 
   ids = encode_bytes(stdlib_text())
   text = lm_batches(ids, cfg.pretrain_batch, cfg.pretrain_seq, cfg.seed)
   rng = random.Random(f"skills:{cfg.seed}")
+  tasks = [TASKS[n] for n in cfg.tasks] + list(BASE_SKILLS[: cfg.base_skills])
   width = cfg.pretrain_seq + 1
   step = 0
   while True:
     step += 1
-    if step % 2:
+    if step % cfg.text_every == 1 or cfg.text_every == 1:
       toks = next(text)
       yield toks, np.ones_like(toks, np.float32)
       continue
@@ -106,13 +113,16 @@ def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]
     mask = np.zeros((cfg.pretrain_batch, width), np.float32)
     for row in range(cfg.pretrain_batch):
       pos = 0
+      toks[row, 0] = BOS
+      pos = 1
       while True:
-        t, start = encode_example(*rng.choice(BASE_SKILLS).example(rng))
-        if pos + len(t) > width:
+        p, a = rng.choice(tasks).example(rng)
+        line = np.concatenate([encode_bytes(f"{p} = {a}".encode()), [EOS]])
+        if pos + len(line) > width:
           break
-        toks[row, pos:pos + len(t)] = t
-        mask[row, pos + start - 1:pos + len(t) - 1] = 1.0
-        pos += len(t)
+        toks[row, pos:pos + len(line)] = line
+        mask[row, pos - 1:pos + len(line) - 1] = 1.0
+        pos += len(line)
     yield toks, mask
 
 
@@ -210,7 +220,7 @@ def build(out_dir: str | Path, cache_dir: str | Path, cfg: ZooConfig = ZooConfig
   for name in cfg.tasks:
     ts = time.perf_counter()
     ft_dir = ensure_finetune(base_dir, name, cfg, cache_dir, progress=progress)
-    held = TASKS[name].splits(0, cfg.n_eval, cfg.seed)[1]
+    held = TASKS[name].heldout(cfg.n_eval, cfg.seed)
     em_ft, _ = exact_match_and_nll(from_pretrained(ft_dir, dtype=jnp.float32), held)
     delta_dir = out_dir / "deltas" / name
     compress_checkpoints(base_dir, ft_dir, delta_dir, CompressPolicy(granularity=granularity),
