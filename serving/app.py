@@ -108,6 +108,13 @@ class Server:
     check_base(manifest, self.base_fp, where=where)
 
   def _read_delta(self, v) -> dict:  # IO thread
+    if self.cfg.multi_process:  # every process reads its own slices (serving/multihost.py)
+      from bitdelta_jax.delta.store import read_manifest
+      from serving.multihost import VariantRef
+
+      if not is_adapter(v.path):
+        self._base_check(read_manifest(v.path), str(v.path))
+      return VariantRef(str(v.path), adapter=is_adapter(v.path))
     if is_adapter(v.path):  # a PEFT LoRA adapter goes into the same slot banks
       from bitdelta_jax.merge.lora import load_adapter
       from bitdelta_jax.models.slots import lora_entries
@@ -157,6 +164,8 @@ class Server:
       stop_strings=opts.stop)
     if not self.engine.alive:
       raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
+    if self.engine.lost:
+      raise P.ApiError(503, self.engine.lost, code="worker_lost")
 
     try:
       lease = await self.router.acquire(model)
@@ -164,7 +173,8 @@ class Server:
       raise _unknown(model) from None
     except LoadError as e:
       self.metrics.requests.labels(model, endpoint, "503").inc()
-      raise P.ApiError(503, str(e), code="variant_load_failed",
+      code = "worker_lost" if self.engine.lost else "variant_load_failed"
+      raise P.ApiError(503, str(e), code=code,
                        headers={"Retry-After": str(max(1, int(cfg.load_retry_s)))}) from None
 
     loop = asyncio.get_running_loop()
@@ -193,6 +203,8 @@ class Server:
         ev = await events.get()
         if ev.kind == "error":
           finished = True
+          if ev.code == "worker_lost":
+            raise P.ApiError(503, f"generation failed: {ev.message}", code="worker_lost")
           raise P.ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
         parts.append(ev.text)
         if ev.kind == "done":
@@ -218,7 +230,7 @@ class Server:
         ev = await events.get()
         if ev.kind == "error":
           await resp.write(P.sse(P.error_body(f"generation failed: {ev.message}", "server_error",
-                                              code="generation_failed")))
+                                              code=ev.code or "generation_failed")))
           break
         if ev.text:
           await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created, text=ev.text)))
@@ -313,9 +325,14 @@ class Server:
   # -- health / metrics ------------------------------------------------------------------------
   async def health(self, request: web.Request) -> web.Response:
     e = self.engine
-    ok = e is not None and e.alive
+    lost = e.lost if e is not None else None
+    ok = e is not None and e.alive and not lost
+    extra = {"error": lost} if lost else {}
+    if self.cfg.multi_process:
+      extra["processes"] = self.cfg.num_processes
     return web.json_response({
-      "status": "ok" if ok else "unavailable", "model": self.cfg.model_id,
+      "status": "ok" if ok else "degraded" if lost else "unavailable", **extra,
+      "model": self.cfg.model_id,
       "variants": len(self.registry.all()) if self.registry else 0,
       "active_rows": e.active_rows if e else 0, "queue_depth": e.queue_depth if e else 0,
       "uptime_s": round(time.time() - self.started, 3),

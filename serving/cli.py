@@ -15,6 +15,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 
 from serving.config import ConfigError, ServerConfig
 
@@ -24,6 +25,8 @@ _FIELDS = {
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
+  "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
+  "process_id": "process_id", "step_timeout": "step_timeout_s",
 }
 
 
@@ -56,6 +59,12 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="rank of the LoRA slots for PEFT adapters registered at runtime "
                       "(default: the largest rank of the configured adapters)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+  from bitdelta_jax import distributed
+
+  # --mesh, --coordinator, --num-processes, --process-id, --step-timeout (docs/SCALING.md);
+  # left unset they do not override the config file
+  distributed.add_arguments(p)
+  p.set_defaults(num_processes=None, process_id=None, step_timeout=None)
 
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
@@ -162,12 +171,49 @@ def banner(cfg: ServerConfig, url: str) -> str:
 
 
 def run_server(config: ServerConfig, *, demo: bool = False) -> None:
-  """Runs the server in the foreground until SIGINT / SIGTERM."""
+  """Runs the server in the foreground until SIGINT / SIGTERM.
+
+  With ``num_processes > 1`` this first joins the `jax.distributed` runtime; process 0 serves
+  HTTP, the others follow its step plans (`serving.multihost`) until it stops, and every
+  process ends with ``os._exit`` (the runtime's shutdown barrier would wait for a dead peer).
+  """
   import logging
 
-  from serving.app import start_site
-
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  if config.multi_process:
+    import jax
+
+    from bitdelta_jax import distributed
+
+    # a dead worker must not take process 0 down with it: without this, the coordination
+    # service terminates every survivor once the dead task misses its heartbeats
+    jax.config.update("jax_enable_recoverability", True)
+    distributed.initialize(config.distributed)
+    if config.process_id != 0:
+      from serving.multihost import run_follower
+
+      code = run_follower(config)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(code)
+    code = 0
+    try:
+      _run_http(config)
+    except BaseException:  # noqa: BLE001  report, then exit without the shutdown barrier
+      import traceback
+
+      traceback.print_exc()
+      code = 1
+    finally:
+      sys.stdout.flush()
+      sys.stderr.flush()
+      time.sleep(1.0)  # followers leave on the stop plan; this process hosts the coordinator
+      os._exit(code)
+  _run_http(config)
+
+
+def _run_http(config: ServerConfig) -> None:
+  from serving.app import start_site
 
   async def main():
     print(f"loading {config.base} ({len(config.variants)} variants)...", file=sys.stderr)

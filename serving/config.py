@@ -21,6 +21,7 @@ from typing import Any
 
 # Variant / model names: what may appear in a request's ``model`` field. No slashes, no "..".
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+MESH_RE = re.compile(r"^\s*(data|model)\s*=\s*[1-9][0-9]*\s*(,\s*(data|model)\s*=\s*[1-9][0-9]*\s*)?$")
 
 
 class ConfigError(ValueError):
@@ -64,6 +65,12 @@ class ServerConfig:
   embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
   warmup: bool = True  # compile every prefill bucket and the decode step before serving
   io_threads: int = 2
+  # scale-out (docs/SCALING.md): a device mesh, and several processes over one global mesh
+  mesh: str | None = None  # "data=D,model=M"; None: one device (or all devices, multi-process)
+  coordinator: str | None = None  # HOST:PORT of process 0's jax.distributed coordinator
+  num_processes: int = 1
+  process_id: int = 0  # 0 runs the HTTP front; the others follow its step plans
+  step_timeout_s: float = 120.0  # a distributed step slower than this means a lost worker
 
   def __post_init__(self):
     def need(cond: bool, field: str, msg: str):
@@ -95,11 +102,36 @@ class ServerConfig:
          f"{self.device_slots}")
     for b in self.buckets:
       need(0 < b <= self.max_seq_len, "buckets", f"bucket {b} must be in (0, max_seq_len]")
+    need(self.mesh is None or bool(MESH_RE.match(self.mesh)), "mesh",
+         f"expected 'data=D,model=M' (either axis may be left out), got {self.mesh!r}")
+    need(self.num_processes >= 1, "num_processes", f"must be >= 1, got {self.num_processes}")
+    need(0 <= self.process_id < self.num_processes, "process_id",
+         f"must be in [0, {self.num_processes}), got {self.process_id}")
+    need(self.num_processes == 1 or bool(self.coordinator), "coordinator",
+         "num_processes > 1 needs a coordinator HOST:PORT")
+    need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
 
   # -- derived -------------------------------------------------------------------------------
   @property
   def model_id(self) -> str:
     return self.base_name or Path(self.base).resolve().name or "base"
+
+  @property
+  def multi_process(self) -> bool:
+    return self.num_processes > 1
+
+  @property
+  def sharded(self) -> bool:
+    """Serve through `bitdelta_jax.sharding` (a mesh was given, or several processes)."""
+    return self.mesh is not None or self.multi_process
+
+  @property
+  def distributed(self):
+    """The `bitdelta_jax.distributed.DistributedConfig` of these fields."""
+    from bitdelta_jax.distributed import DistributedConfig
+
+    return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.mesh,
+                             step_timeout_s=self.step_timeout_s)
 
   @property
   def host_cache_bytes(self) -> int:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from bitdelta_jax.distributed import WorkerLost
 from serving.config import ServerConfig
 from serving.metrics import Metrics
 
@@ -42,6 +43,7 @@ class Event:
   finish_reason: str | None = None
   completion_tokens: int = 0
   message: str | None = None
+  code: str | None = None  # "worker_lost": a multi-process step lost a worker (HTTP 503)
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +65,7 @@ class GenRequest:
 
 
 class Engine:
+  IDLE_PING_S = 5.0  # multi-process: an idle engine checks its workers this often
   def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *,
                embedding_slots: bool = False, lora_rank: int = 0,
                model_factory: Callable | None = None):
@@ -104,23 +107,28 @@ class Engine:
       self._inbox.put(("stop",))
       self._thread.join(timeout)
 
+  @property
+  def lost(self) -> str | None:
+    """Why the engine is degraded (a worker process was lost), or None."""
+    return getattr(self.gen, "lost", None)
+
   # -- device thread -----------------------------------------------------------------------
   def _build(self):
-    import jax.numpy as jnp
-
-    from bitdelta_jax.models import from_pretrained
-    from bitdelta_jax.models.generate import Generator
-
     cfg = self.cfg
-    if self._model_factory is not None:
-      model = self._model_factory()
-    else:
-      model = from_pretrained(cfg.base, getattr(jnp, cfg.dtype), num_slots=cfg.device_slots + 1,
-                              dense_embedding_slots=self.embedding_slots,
-                              lora_rank=self.lora_rank)
-    self.vocab_size = model.config.vocab_size
-    return Generator(model, buckets=cfg.prefill_buckets, max_seq_len=cfg.max_seq_len,
-                     max_rows=cfg.max_batch, tokenizer=self.tokenizer)
+    if cfg.multi_process:  # process 0: every step becomes a plan for the followers too
+      from bitdelta_jax.distributed import broadcast_json
+      from serving import multihost
+
+      nbytes = multihost.plan_bytes(cfg.max_seq_len)
+      broadcast_json({"op": "build", "embedding_slots": self.embedding_slots,
+                      "lora_rank": self.lora_rank}, max_bytes=nbytes)
+    gen = build_generator(cfg, embedding_slots=self.embedding_slots, lora_rank=self.lora_rank,
+                          tokenizer=self.tokenizer, model_factory=self._model_factory)
+    self.vocab_size = gen.model.config.vocab_size
+    if cfg.multi_process:
+      gen = multihost.LeaderGenerator(multihost.Replica(gen), timeout_s=cfg.step_timeout_s,
+                                      max_plan_bytes=nbytes)
+    return gen
 
   def _warmup(self, gen) -> None:
     """Compiles every prefill bucket, insert, the decode step and the slot writer."""
@@ -149,6 +157,8 @@ class Engine:
       self._loop(gen)
     finally:
       self.alive = False
+      if hasattr(gen, "close"):  # multi-process: release the followers
+        gen.close()
 
   def _loop(self, gen) -> None:
     m = self.metrics
@@ -156,13 +166,19 @@ class Engine:
     rows: dict[int, GenRequest] = {}
     free = list(range(gen.max_rows))[::-1]
     pending: deque[GenRequest] = deque()
+    ping_s = self.IDLE_PING_S if hasattr(gen, "ping") else None
     while True:
       # 1. inbox: block only when there is nothing to decode
       block = not rows and not pending
       while True:
         try:
-          item = self._inbox.get(block=block)
+          item = self._inbox.get(block=block, timeout=ping_s if block else None)
         except queue.Empty:
+          if block and not self.lost:  # idle, multi-process: notice a dead worker early
+            try:
+              gen.ping()
+            except WorkerLost:
+              pass
           break
         block = False
         if item[0] == "stop":
@@ -189,14 +205,20 @@ class Engine:
           tok = int(prefix.token[0])
         except Exception as e:  # noqa: BLE001  one bad request must not stop the engine
           log.exception("prefill failed")
-          self._emit(r, Event("error", message=f"prefill failed: {e}"))
+          self._emit(r, Event("error", message=f"prefill failed: {e}", code=_code(e)))
           continue
         now = time.perf_counter()
         m.ttft.labels(r.model).observe(now - r.arrival)
         r.t_last = now
         if not self._accept(r, tok, now):
           row = free.pop()
-          state = gen.insert(state, prefix, row)
+          try:
+            state = gen.insert(state, prefix, row)
+          except Exception as e:  # noqa: BLE001  e.g. a lost worker (multi-process)
+            log.exception("insert failed")
+            free.append(row)
+            self._emit(r, Event("error", message=f"insert failed: {e}", code=_code(e)))
+            continue
           rows[row] = r
       self._gauges(len(rows), len(pending), gen.max_rows)
       if not rows:
@@ -208,10 +230,13 @@ class Engine:
       except Exception as e:  # noqa: BLE001
         log.exception("decode step failed")
         for row, r in rows.items():
-          self._emit(r, Event("error", message=f"decode step failed: {e}"))
+          self._emit(r, Event("error", message=f"decode step failed: {e}", code=_code(e)))
           free.append(row)
         rows.clear()
-        state = gen.init_state()
+        try:
+          state = gen.init_state()
+        except WorkerLost:  # degraded for good: later requests fail at prefill
+          state = None
         continue
       self.steps += 1
       now = time.perf_counter()
@@ -274,3 +299,40 @@ class Engine:
       r.emit(ev)
     except Exception:  # noqa: BLE001  e.g. the event loop is closed
       log.debug("dropping event for a closed request", exc_info=True)
+
+
+def _code(e: BaseException) -> str | None:
+  return "worker_lost" if isinstance(e, WorkerLost) else None
+
+
+def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_rank: int = 0,
+                    tokenizer=None, model_factory: Callable | None = None):
+  """The engine's generator: a `Generator`, or with a mesh / several processes a
+  `bitdelta_jax.sharding.ShardedGenerator` over the (global) mesh, the base restored straight
+  into its shardings. Every process of a multi-process server calls this with the same
+  arguments (the same JAX computations in the same order)."""
+  import jax.numpy as jnp
+
+  kw = dict(buckets=cfg.prefill_buckets, max_seq_len=cfg.max_seq_len, max_rows=cfg.max_batch,
+            tokenizer=tokenizer)
+  dtype = getattr(jnp, cfg.dtype)
+  if cfg.sharded:
+    from bitdelta_jax import sharding
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    if model_factory is not None:
+      model = model_factory()
+    else:
+      model = sharding.restore_base(cfg.base, mesh, dtype, num_slots=cfg.device_slots + 1,
+                                    dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
+    log.info("sharded over mesh %s (%d processes)", sharding.mesh_spec(mesh), cfg.num_processes)
+    return sharding.ShardedGenerator(model, mesh, **kw)
+  from bitdelta_jax.models import from_pretrained
+  from bitdelta_jax.models.generate import Generator
+
+  if model_factory is not None:
+    model = model_factory()
+  else:
+    model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1,
+                            dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
+  return Generator(model, **kw)
