@@ -58,6 +58,11 @@ class ZooConfig:
   n_eval: int = 256
   text_every: int = 4  # one pre-training batch in this many is stdlib text, the rest task lines
   base_skills: int = 0  # how many of `BASE_SKILLS` the base also sees
+  # The two hardest tasks (they need carries / a lookup) get twice the pre-training lines and
+  # twice the fine-tuning steps.
+  pretrain_task_weights: tuple[tuple[str, int], ...] = (("nano-math", 2), ("nano-recall", 2))
+  finetune_steps_override: tuple[tuple[str, int], ...] = (("nano-math", 1000),
+                                                          ("nano-recall", 1000))
   tasks: tuple[str, ...] = tuple(TASKS)
   seed: int = 0
 
@@ -66,7 +71,8 @@ class ZooConfig:
     """Seconds, for tests: same code path, tiny sizes, no accuracy goal."""
     return cls(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                pretrain_steps=20, pretrain_batch=8, pretrain_seq=64, finetune_steps=15,
-               finetune_batch=16, n_eval=32, tasks=("nano-math", "nano-reverse"))
+               finetune_batch=16, n_eval=32, tasks=("nano-math", "nano-reverse"),
+               finetune_steps_override=())
 
   def hf_config(self) -> dict:
     return {
@@ -100,7 +106,9 @@ def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]
   ids = encode_bytes(stdlib_text())
   text = lm_batches(ids, cfg.pretrain_batch, cfg.pretrain_seq, cfg.seed)
   rng = random.Random(f"skills:{cfg.seed}")
-  tasks = [TASKS[n] for n in cfg.tasks] + list(BASE_SKILLS[: cfg.base_skills])
+  weights = dict(cfg.pretrain_task_weights)
+  tasks = [TASKS[n] for n in cfg.tasks for _ in range(weights.get(n, 1))]
+  tasks += list(BASE_SKILLS[: cfg.base_skills])
   width = cfg.pretrain_seq + 1
   step = 0
   while True:
@@ -162,8 +170,9 @@ def finetune(base_dir: Path, task_name: str, cfg: ZooConfig, *, progress: bool =
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
     {"train": optax.adam(optax.warmup_constant_schedule(0.0, cfg.finetune_lr, 20)),
      "freeze": optax.set_to_zero()}, _labels))
+  steps = dict(cfg.finetune_steps_override).get(task_name, cfg.finetune_steps)
   losses = train(model, _task_batches(task, cfg.finetune_batch, cfg.finetune_seq, cfg.seed),
-                 cfg.finetune_steps, opt, desc=f"finetune {task_name}", progress=progress)
+                 steps, opt, desc=f"finetune {task_name}", progress=progress)
   return model, losses
 
 
