@@ -153,21 +153,36 @@ def demo_config(**overrides) -> ServerConfig:
   return ServerConfig(**kw)
 
 
-def banner(cfg: ServerConfig, url: str) -> str:
+def _task_examples(names) -> dict[str, str]:
+  """A held-out prompt per built-in variant (the built-in tasks), for the demo's banner."""
+  try:
+    from bitdelta_jax.zoo.tasks import TASKS
+  except ImportError:
+    return {}
+  return {n: TASKS[n].heldout(1)[0][0] for n in names if n in TASKS}
+
+
+def banner(cfg: ServerConfig, url: str, *, demo: bool = False) -> str:
   names = [n for n, _ in cfg.variants]
-  example = names[0] if names else cfg.model_id
+  examples = _task_examples(names) if demo else {}
+  example = next(iter(examples), names[0] if names else cfg.model_id)
+  content = examples.get(example, "Hello")
   auth = f' -H "Authorization: Bearer {cfg.api_key}"' if cfg.api_key else ""
-  return "\n".join([
+  lines = [
     f"serving {cfg.model_id} and {len(names)} variant(s) at {url}",
     f"  variants: {', '.join(names) or '(none)'}",
     f"  models:   curl{auth} {url}/v1/models",
     f"  complete: curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
     f"              -d '{{\"model\": \"{example}\", \"messages\": [{{\"role\": \"user\", "
-    f"\"content\": \"Hello\"}}], \"max_tokens\": 32}}'",
+    f"\"content\": \"{content}\"}}], \"max_tokens\": 32}}'",
     "  python:   from openai import OpenAI; c = OpenAI(base_url="
     f"'{url}/v1', api_key='{cfg.api_key or 'none'}')",
     f"  admin:    GET {url}/v1/variants   metrics: GET {url}/metrics   (Ctrl-C stops)",
-  ])
+  ]
+  if examples:
+    lines.append("  each variant does one task (letters a-j); try these chat messages:")
+    lines += [f"    {n:<14} {p!r}" for n, p in examples.items()]
+  return "\n".join(lines)
 
 
 def run_server(config: ServerConfig, *, demo: bool = False) -> None:
@@ -198,7 +213,7 @@ def run_server(config: ServerConfig, *, demo: bool = False) -> None:
       os._exit(code)
     code = 0
     try:
-      _run_http(config)
+      _run_http(config, demo=demo)
     except BaseException:  # noqa: BLE001  report, then exit without the shutdown barrier
       import traceback
 
@@ -209,17 +224,17 @@ def run_server(config: ServerConfig, *, demo: bool = False) -> None:
       sys.stderr.flush()
       time.sleep(1.0)  # followers leave on the stop plan; this process hosts the coordinator
       os._exit(code)
-  _run_http(config)
+  _run_http(config, demo=demo)
 
 
-def _run_http(config: ServerConfig) -> None:
+def _run_http(config: ServerConfig, *, demo: bool = False) -> None:
   from serving.app import start_site
 
   async def main():
     print(f"loading {config.base} ({len(config.variants)} variants)...", file=sys.stderr)
     runner, _server, port = await start_site(config)
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    print(banner(config, f"http://{host}:{port}"), flush=True)
+    print(banner(config, f"http://{host}:{port}", demo=demo), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
