@@ -94,6 +94,14 @@ def _compress_linear(base, ft, *, granularity: str, group_k: int, transpose: boo
   return pd, err2, jnp.sum(jnp.square(d))
 
 
+def _identical(a: np.ndarray, b: np.ndarray) -> bool:
+  """Bit-identical when the dtypes agree (fast, and exact: -0.0 ≠ +0.0), else equal values."""
+  if a.dtype == b.dtype:
+    return np.array_equal(np.ascontiguousarray(a).view(np.uint8),
+                          np.ascontiguousarray(b).view(np.uint8))
+  return bool(np.array_equal(a, b))
+
+
 def compress_tensor(
   name: str, base: np.ndarray, ft: np.ndarray, policy: CompressPolicy, *, hf_layout: bool = True
 ) -> tuple[Entry, TensorReport]:
@@ -119,7 +127,7 @@ def compress_tensor(
       )
     return entry, TensorReport(name, entry.kind, ft.shape, str(ft.dtype), before, entry.nbytes, 0.0,
                                note=f"vocabulary grew {v} -> {ft.shape[0]}")
-  if np.array_equal(base, ft):
+  if _identical(base, ft):
     return Dense("same"), TensorReport(name, "same", ft.shape, str(ft.dtype), before, 0, 0.0)
   if policy.is_linear(name, ft.ndim):
     pd, err2, d2 = _compress_linear(

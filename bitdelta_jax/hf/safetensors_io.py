@@ -168,15 +168,21 @@ class CheckpointReader:
       return arr.reshape(t.shape)
     return self.read_rows(name, 0, t.shape[0] if t.shape else 1).reshape(t.shape)
 
-  def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+  def read_rows(self, name: str, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
     """Reads rows ``[start, stop)`` (axis 0) with one positioned read: no memory map, so the
-    pages do not stay resident once the array is freed."""
+    pages do not stay resident once the array is freed. ``out`` (a flat buffer of this dtype,
+    reused across calls) avoids faulting in fresh pages for every block."""
     t = self.info(name)
     shape = t.shape if t.shape else (1,)
     row = int(np.prod(shape[1:])) * t.dtype.itemsize
     stop = min(stop, shape[0])
-    out = np.empty((max(0, stop - start), *shape[1:]), t.dtype)
-    view = memoryview(out.reshape(-1).view(np.uint8))
+    rows = max(0, stop - start)
+    count = rows * (row // t.dtype.itemsize if t.dtype.itemsize else 0)
+    if out is not None and out.dtype == t.dtype and out.size >= count:
+      arr = out.reshape(-1)[:count].reshape((rows, *shape[1:]))
+    else:
+      arr = np.empty((rows, *shape[1:]), t.dtype)
+    view = memoryview(arr.reshape(-1).view(np.uint8))
     fd = self._fd(t.file)
     pos, done = t.start + start * row, 0
     while done < len(view):
@@ -184,7 +190,7 @@ class CheckpointReader:
       if n <= 0:
         raise CheckpointError(f"{t.file}: unexpected end of file reading {name!r}")
       done += n
-    return out
+    return arr
 
   def _fd(self, file: Path) -> int:
     fds = self.__dict__.setdefault("_fds", {})
