@@ -77,50 +77,23 @@ def causal_mask(q_pos_BxT, k_pos_BxS, window: int | None, key_valid_BxS=None) ->
   return m
 
 
+def _dense_factory(cfg: ModelConfig, *, dtype, rngs: nnx.Rngs) -> Callable[..., DeltaDense]:
+  """DeltaDense with this config's slot, LoRA and kernel settings: ``make(in, out, bias)``."""
+  return lambda k, n, use_bias: DeltaDense(
+    k, n, use_bias=use_bias, num_slots=cfg.num_slots, dtype=dtype, rngs=rngs,
+    implementation=cfg.delta_implementation, lora_rank=cfg.lora_rank,
+  )
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-    d, hd, s, impl = cfg.hidden_size, cfg.head_dim, cfg.num_slots, cfg.delta_implementation
+    d, hd = cfg.hidden_size, cfg.head_dim
     self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
-    self.q_proj = DeltaDense(
-      d,
-      cfg.num_heads * hd,
-      use_bias=cfg.qkv_bias,
-      num_slots=s,
-      dtype=dtype,
-      rngs=rngs,
-      implementation=impl,
-      lora_rank=cfg.lora_rank,
-    )
-    self.k_proj = DeltaDense(
-      d,
-      cfg.num_kv_heads * hd,
-      use_bias=cfg.qkv_bias,
-      num_slots=s,
-      dtype=dtype,
-      rngs=rngs,
-      implementation=impl,
-      lora_rank=cfg.lora_rank,
-    )
-    self.v_proj = DeltaDense(
-      d,
-      cfg.num_kv_heads * hd,
-      use_bias=cfg.qkv_bias,
-      num_slots=s,
-      dtype=dtype,
-      rngs=rngs,
-      implementation=impl,
-      lora_rank=cfg.lora_rank,
-    )
-    self.o_proj = DeltaDense(
-      cfg.num_heads * hd,
-      d,
-      use_bias=cfg.o_bias,
-      num_slots=s,
-      dtype=dtype,
-      rngs=rngs,
-      implementation=impl,
-      lora_rank=cfg.lora_rank,
-    )
+    make = _dense_factory(cfg, dtype=dtype, rngs=rngs)
+    self.q_proj = make(d, cfg.num_heads * hd, cfg.qkv_bias)
+    self.k_proj = make(d, cfg.num_kv_heads * hd, cfg.qkv_bias)
+    self.v_proj = make(d, cfg.num_kv_heads * hd, cfg.qkv_bias)
+    self.o_proj = make(cfg.num_heads * hd, d, cfg.o_bias)
 
   def __call__(self, x, cos, sin, slot_ids, attend: Callable) -> jax.Array:
     b, t, _ = x.shape
@@ -135,17 +108,10 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
     d, f, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-    kw = dict(
-      use_bias=bias,
-      num_slots=cfg.num_slots,
-      dtype=dtype,
-      rngs=rngs,
-      implementation=cfg.delta_implementation,
-      lora_rank=cfg.lora_rank,
-    )
-    self.gate_proj = DeltaDense(d, f, **kw)
-    self.up_proj = DeltaDense(d, f, **kw)
-    self.down_proj = DeltaDense(f, d, **kw)
+    make = _dense_factory(cfg, dtype=dtype, rngs=rngs)
+    self.gate_proj = make(d, f, bias)
+    self.up_proj = make(d, f, bias)
+    self.down_proj = make(f, d, bias)
 
   def __call__(self, x, slot_ids):
     h = jax.nn.silu(self.gate_proj(x, slot_ids)) * self.up_proj(x, slot_ids)
