@@ -59,6 +59,9 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="rank of the LoRA slots for PEFT adapters registered at runtime "
                       "(default: the largest rank of the configured adapters)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+  p.add_argument("--no-verify-base", action="store_true",
+                 help="check deltas against the base's names/shapes/dtypes only, not the crc32 of "
+                      "every base tensor (which reads the whole base once more at start)")
   from bitdelta_jax import distributed
 
   # --mesh, --coordinator, --num-processes, --process-id, --step-timeout (docs/SCALING.md);
@@ -124,6 +127,8 @@ def config_from_args(args, *, base: str | None = None,
     d["admin_roots"] = tuple(args.variant_root)
   if args.no_warmup:
     d["warmup"] = False
+  if getattr(args, "no_verify_base", False):
+    d["verify_base"] = False
   return ServerConfig(**d)
 
 
