@@ -110,15 +110,11 @@ def _extra_commands():
 
 
 def main(argv: list[str] | None = None) -> int:
-  from bitdelta_jax.delta.compress import DeltaMismatchError
-  from bitdelta_jax.delta.store import DeltaStoreError
-  from bitdelta_jax.hf.safetensors_io import CheckpointError
-
   args = build_parser().parse_args(argv)
   try:
     fn = getattr(args, "fn", None) or args.func
     return fn(args)
-  except (DeltaMismatchError, DeltaStoreError, CheckpointError, ValueError, OSError) as e:
+  except (ValueError, OSError) as e:  # DeltaMismatchError, DeltaStoreError, CheckpointError too
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
 
