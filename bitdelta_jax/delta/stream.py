@@ -236,10 +236,18 @@ def compress_checkpoints(
                                 entry.nbytes, 0.0, note="not in base")
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
             entry, line = _compress_linear_stream(name, base, ft, policy, crc)
-          elif (base.info(name).shape == info.shape and base.info(name).dtype == info.dtype
-                and _same_stream(name, base, ft, crc)):
-            entry = Dense("same")
-            line = TensorReport(name, "same", info.shape, info.dtype.name, info.nbytes, 0, 0.0)
+          elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
+            # One streamed pass compares and checksums the base; a changed tensor kept as its
+            # value needs no second read of the base.
+            if _same_stream(name, base, ft, crc):
+              entry = Dense("same")
+            elif policy.dense == "value":
+              entry = Dense("value", ft.read(name))
+            else:
+              entry = compress_tensor(name, base.read(name), ft.read(name), policy,
+                                      hf_layout=True)[0]
+            line = TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
+                                entry.nbytes, 0.0)
           else:
             crc = _Crc()
             b = base.read(name)
