@@ -61,6 +61,8 @@ class ServerConfig:
   load_retry_s: float = 5.0  # after a failed load, requests fail fast for this long
   admin_roots: tuple[str, ...] = ()  # if set, POST /v1/variants paths must lie under one
   verify_base: bool = True  # check each delta's base fingerprint (crc of every base tensor)
+  verify_variants: bool = True  # at start, read each configured delta once and check its crc32s
+  skip_bad_variants: bool = False  # serve without a variant that fails its start-up checks
   lora_rank: int | None = None  # LoRA slot rank; None: the largest rank of configured adapters
   embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
   warmup: bool = True  # compile every prefill bucket and the decode step before serving
