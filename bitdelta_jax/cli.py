@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
 
 EXIT_BAD_INPUT = 2
@@ -20,14 +22,23 @@ def _policy(args):
                         dense=args.dense)
 
 
+def _print_pair_messages(m: dict) -> None:
+  for w in m.get("warnings", []):
+    print(f"warning: {w}", file=sys.stderr)
+  for n in m.get("notes", []):
+    print(f"note: {n}", file=sys.stderr)
+
+
 def cmd_compress(args) -> int:
   from bitdelta_jax.delta.report import Report
   from bitdelta_jax.delta.stream import compress_checkpoints
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
                            overwrite=args.overwrite, progress=not args.quiet)
-  print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
-  print(f"wrote {args.out}")
+  _print_pair_messages(m)
+  if not args.quiet:
+    print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
+    print(f"wrote {args.out}")
   return 0
 
 
@@ -36,12 +47,13 @@ def cmd_apply(args) -> int:
 
   out = apply_checkpoint(args.base, args.delta, args.out, overwrite=args.overwrite,
                          progress=not args.quiet)
-  print(f"wrote {out}")
+  if not args.quiet:
+    print(f"wrote {out}")
   return 0
 
 
 def cmd_inspect(args) -> int:
-  from bitdelta_jax.delta.report import Report
+  from bitdelta_jax.delta.report import Report, describe_policy, describe_scales
   from bitdelta_jax.delta.store import read_manifest
 
   m = read_manifest(args.delta)
@@ -51,46 +63,74 @@ def cmd_inspect(args) -> int:
   kinds: dict[str, int] = {}
   for t in m["tensors"].values():
     kinds[t["kind"]] = kinds.get(t["kind"], 0) + 1
+  src = m.get("source") or {}
   print(f"delta:          {args.delta}")
   print(f"format:         {m['format']} v{m['format_version']} ({m['layout']})")
   print(f"created:        {m['created']}")
+  if src.get("base") or src.get("finetuned"):
+    print(f"made from:      {src.get('finetuned', '?')} against base {src.get('base', '?')}")
   print(f"base digest:    {m['base']['digest'][:16]}… ({len(m['base']['tensors'])} tensors)")
-  print(f"policy:         {json.dumps(m['policy'])}")
-  print(f"scales:         {json.dumps(m['scales'])}")
-  print(f"tensors:        {kinds}")
+  print(f"policy:         {describe_policy(m['policy'])}")
+  print(f"scales:         {describe_scales(m['scales'])}")
+  print("tensors:        " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())))
+  for w in m.get("warnings", []):
+    print(f"warning:        {w}")
+  for n in m.get("notes", []):
+    print(f"note:           {n}")
   print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
   return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="bitdelta", description=__doc__.splitlines()[0])
-  sub = p.add_subparsers(dest="command", required=True)
+  from bitdelta_jax import __version__
 
-  c = sub.add_parser("compress", help="compress an HF fine-tune against its base into 1-bit deltas")
-  c.add_argument("--base", required=True, help="HF base directory")
-  c.add_argument("--finetuned", required=True, help="HF fine-tuned directory")
-  c.add_argument("--out", required=True, help="delta directory to create")
-  c.add_argument("--scale", choices=("per-matrix", "per-column"), default="per-matrix")
-  c.add_argument("--group-k", type=int, default=128, help="rows per bit-plane group (x8)")
+  p = argparse.ArgumentParser(prog="bitdelta", description=__doc__.splitlines()[0])
+  p.add_argument("--version", action="version", version=f"bitdelta-jax {__version__}",
+                 help="print the version and exit")
+  sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+  c = sub.add_parser("compress", help="compress an HF fine-tune against its base into 1-bit deltas",
+                     description="Compress an HF fine-tune against its base into a delta directory "
+                     "(1-bit signs and scales of the linear layers, other changed tensors exactly).")
+  c.add_argument("--base", required=True, metavar="DIR", help="HF base checkpoint directory")
+  c.add_argument("--finetuned", required=True, metavar="DIR",
+                 help="HF fine-tuned checkpoint directory (same architecture as --base)")
+  c.add_argument("--out", required=True, metavar="DIR",
+                 help="delta directory to create (an existing one is replaced only with "
+                 "--overwrite, and only if it is a delta)")
+  c.add_argument("--scale", choices=("per-matrix", "per-column"), default="per-matrix",
+                 help="one scale α per matrix (the paper's default) or per output column "
+                 "(default: %(default)s)")
+  c.add_argument("--group-k", type=int, default=128, metavar="K",
+                 help="rows per bit-plane group, a multiple of 8 (default: %(default)s)")
   c.add_argument("--dense", choices=("value", "delta"), default="value",
-                 help="store changed non-linear tensors as the fine-tuned value or a dense delta")
-  c.add_argument("--overwrite", action="store_true")
-  c.add_argument("--quiet", action="store_true")
+                 help="store changed non-linear tensors as the fine-tuned value or a dense delta "
+                 "(default: %(default)s)")
+  c.add_argument("--overwrite", action="store_true", help="replace --out if it is a delta")
+  c.add_argument("--quiet", action="store_true",
+                 help="print nothing but warnings and errors (no progress, no report)")
   c.add_argument("--verbose", action="store_true", help="report every tensor")
   c.set_defaults(fn=cmd_compress)
 
-  a = sub.add_parser("apply", help="write base + delta as an HF checkpoint")
-  a.add_argument("--base", required=True)
-  a.add_argument("--delta", required=True)
-  a.add_argument("--out", required=True)
-  a.add_argument("--overwrite", action="store_true")
-  a.add_argument("--quiet", action="store_true")
+  a = sub.add_parser("apply", help="write base + delta as an HF checkpoint",
+                     description="Materialise W_base + α·sign(Δ) (and the kept tensors) as an HF "
+                     "checkpoint directory that transformers loads.")
+  a.add_argument("--base", required=True, metavar="DIR",
+                 help="HF base checkpoint directory the delta was made for")
+  a.add_argument("--delta", required=True, metavar="DIR", help="delta directory (from compress)")
+  a.add_argument("--out", required=True, metavar="DIR",
+                 help="checkpoint directory to create (an existing one is replaced only with "
+                 "--overwrite, and only if bitdelta wrote it)")
+  a.add_argument("--overwrite", action="store_true",
+                 help="replace --out if it is a checkpoint bitdelta wrote")
+  a.add_argument("--quiet", action="store_true", help="print nothing but errors")
   a.set_defaults(fn=cmd_apply)
 
-  i = sub.add_parser("inspect", help="print a delta's manifest and report")
-  i.add_argument("delta")
-  i.add_argument("--json", action="store_true")
-  i.add_argument("--verbose", action="store_true")
+  i = sub.add_parser("inspect", help="print a delta's manifest and report",
+                     description="Print a delta's policy, scales and size report.")
+  i.add_argument("delta", metavar="DELTA_DIR", help="delta directory")
+  i.add_argument("--json", action="store_true", help="print the raw manifest as JSON")
+  i.add_argument("--verbose", action="store_true", help="report every tensor")
   i.set_defaults(fn=cmd_inspect)
 
   for register in _extra_commands():
@@ -109,14 +149,51 @@ def _extra_commands():
           add_demo_parser]
 
 
+class _QuietJaxBackendWarnings(logging.Filter):
+  """Drops jax's "a TPU may be present ... falling back to cpu" start-up warning: a CPU machine
+  that merely has a Google PCI device is not a TPU host, and a user cannot act on it."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    msg = record.getMessage()
+    return not ("TPU" in msg and ("may be present" in msg or "Unable to initialize backend" in msg))
+
+
+def _quiet_backend_warnings() -> None:
+  for name in ("jax._src.xla_bridge", "jax"):
+    log = logging.getLogger(name)
+    if not any(isinstance(f, _QuietJaxBackendWarnings) for f in log.filters):
+      log.addFilter(_QuietJaxBackendWarnings())
+
+
 def main(argv: list[str] | None = None) -> int:
+  _quiet_backend_warnings()
   args = build_parser().parse_args(argv)
   try:
     fn = getattr(args, "fn", None) or args.func
-    return fn(args)
-  except (ValueError, OSError) as e:  # DeltaMismatchError, DeltaStoreError, CheckpointError too
+    rc = fn(args)
+    sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+    return rc
+  except (ValueError, OSError) as e:  # DeltaMismatchError, DeltaStoreError, OutputError too
+    if isinstance(e, BrokenPipeError):
+      return _closed_pipe()
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
+
+
+def _closed_pipe() -> int:
+  """The reader of our stdout went away (``bitdelta inspect X | head -1``): end quietly.
+
+  stdout is pointed at /dev/null so the interpreter's final flush does not fail again.
+  """
+  try:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+  except (OSError, ValueError):
+    pass
+  return 0
 
 
 if __name__ == "__main__":

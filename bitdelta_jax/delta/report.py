@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 
@@ -62,6 +63,8 @@ class Report:
       "linear_bytes_before": lb,
       "linear_bytes_after": la,
       "linear_ratio": _ratio(lb, la),
+      "linear_bf16_bytes": sum(2 * math.prod(t.shape) for t in packed),
+      "linear_ratio_vs_bf16": _ratio(sum(2 * math.prod(t.shape) for t in packed), la),
       "linear_rel_error_rms": rms,
     }
 
@@ -84,13 +87,51 @@ class Report:
                   f"{t.rel_error:>8.4f}")
     if len(shown) < len(self.tensors):
       rows.append(f"... {len(self.tensors) - len(shown)} more tensors")
-    tot = self.totals
-    rows.append(
-      f"total: {_mb(tot['bytes_before'])} -> {_mb(tot['bytes_after'])} ({tot['ratio']:.1f}x); "
-      f"linear layers: {_mb(tot['linear_bytes_before'])} -> {_mb(tot['linear_bytes_after'])} "
-      f"({tot['linear_ratio']:.1f}x), relative error (RMS) {tot['linear_rel_error_rms']:.4f}"
-    )
+    rows.extend(self.summary_lines())
     return "\n".join(rows)
+
+  def summary_lines(self) -> list[str]:
+    """What the ratios compare, in words: the linear layers against bf16, and the checkpoint."""
+    tot = self.totals
+    dtypes = sorted({t.dtype for t in self.tensors if t.kind == "packed"})
+    src = ""
+    if dtypes and dtypes != ["bfloat16"]:
+      src = (f"; against their stored {'/'.join(dtypes)}: "
+             f"{_mb(tot['linear_bytes_before'])}, {tot['linear_ratio']:.1f}x")
+    return [
+      f"linear layers ({tot['packed_tensors']} matrices, 1-bit): "
+      f"{_mb(tot['linear_bytes_after'])} vs {_mb(tot['linear_bf16_bytes'])} in bf16 = "
+      f"{tot['linear_ratio_vs_bf16']:.1f}x smaller{src}; relative error of the 1-bit "
+      f"approximation ‖Δ−α·S‖/‖Δ‖ (RMS) {tot['linear_rel_error_rms']:.4f}",
+      f"whole checkpoint ({tot['tensors']} tensors, as stored): {_mb(tot['bytes_before'])} -> "
+      f"{_mb(tot['bytes_after'])} = {tot['ratio']:.1f}x smaller (unchanged tensors cost "
+      f"nothing; changed embeddings, LM head and norms are kept exactly)",
+    ]
+
+
+def describe_policy(policy: dict) -> str:
+  """A manifest's compression policy in words."""
+  gran = {"matrix": "one α per matrix", "column": "one α per output column"}.get(
+    policy.get("granularity"), str(policy.get("granularity")))
+  dense = {"value": "as fine-tuned values", "delta": "as dense deltas"}.get(
+    policy.get("dense"), str(policy.get("dense")))
+  kept = ", ".join(policy.get("exact_patterns", []))
+  return (f"1-bit sign(Δ) of linear layers with {gran}, bit-plane groups of "
+          f"{policy.get('group_k')} rows; other changed tensors ({kept}) kept exactly, {dense}")
+
+
+def describe_scales(scales: dict) -> str:
+  """How a manifest's α were obtained, in words."""
+  if scales.get("method") == "distilled":
+    def num(k):
+      v = scales.get(k)
+      return "?" if v is None else f"{v:.3e}"
+    return (f"distilled ({scales.get('steps')} steps of {scales.get('optimizer', 'adamw')}, "
+            f"lr {scales.get('lr')}, on {scales.get('calibration')}; logit MSE on held-out "
+            f"batches {num('held_mse_before')} -> {num('held_mse_after')})")
+  if scales.get("method") == "mean_abs":
+    return "α = mean|Δ| (the L2-optimal scale of sign(Δ), not distilled)"
+  return json.dumps(scales)
 
 
 def _mb(n: int) -> str:

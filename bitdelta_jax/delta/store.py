@@ -4,9 +4,10 @@
       manifest.json               format version, base fingerprint, per-tensor layout, report
       arrays/<tensor>/<field>/    zarr arrays (uncompressed, ≤64 MB chunks along axis 0)
 
-Writes are atomic: everything goes to a hidden sibling ``.NAME.tmp-<id>`` that is fsynced and
-renamed into place only after the manifest is written, so an interrupted write leaves nothing
-that loads as a variant. Every array's crc32 is in the manifest and checked on load.
+Writes are atomic (`bitdelta_jax.outputs`): everything goes to a hidden sibling
+``.bitdelta-tmp-NAME-<pid>-<id>`` that is fsynced and swapped into place only after the
+manifest is written, so an interrupted write leaves nothing that loads as a variant; an
+existing path is replaced only if it is a delta store. Every array's crc32 is in the manifest and checked on load.
 
 We write arrays with tensorstore directly (Orbax's own storage layer) rather than through an
 Orbax checkpointer because compression streams tensor by tensor and never holds the whole
@@ -21,7 +22,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,6 +33,7 @@ import tensorstore as ts
 from bitdelta_jax.delta.compress import DeltaMismatchError, Dense, Entry
 from bitdelta_jax.delta.format import LAYOUT, PackedDelta
 from bitdelta_jax.delta.report import Report
+from bitdelta_jax.outputs import MARKER, OutputDir
 
 FORMAT_NAME = "bitdelta-jax-delta"
 FORMAT_VERSION = 1
@@ -91,59 +92,15 @@ def read_array(path: Path, meta: Mapping, *, verify: bool = True, index=None) ->
   return a
 
 
-def _fsync_tree(root: Path):
-  for dirpath, _, files in os.walk(root):
-    for f in files:
-      fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-      try:
-        os.fsync(fd)
-      finally:
-        os.close(fd)
-    fd = os.open(dirpath, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
+class AtomicDir(OutputDir):
+  """A directory written under a temporary name beside ``out`` and swapped in on `commit`.
 
+  ``kind`` says what ``out`` may already hold to be replaced (see `bitdelta_jax.outputs`).
+  """
 
-class AtomicDir:
-  """A directory written under a temporary name and renamed into place on `commit`."""
-
-  def __init__(self, out: str | os.PathLike, *, overwrite: bool = False):
-    self.out = Path(out)
-    if self.out.exists() and not overwrite:
-      raise DeltaStoreError(f"{self.out}: output directory already exists (use --overwrite)")
-    self.out.parent.mkdir(parents=True, exist_ok=True)
-    self.tmp = self.out.parent / f".{self.out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    self.tmp.mkdir()
-    self.done = False
-
-  def commit(self):
-    _fsync_tree(self.tmp)
-    trash = None
-    if self.out.exists():
-      trash = self.out.parent / f".{self.out.name}.old-{uuid.uuid4().hex[:8]}"
-      os.rename(self.out, trash)
-    os.rename(self.tmp, self.out)
-    fd = os.open(self.out.parent, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-    if trash is not None:
-      shutil.rmtree(trash, ignore_errors=True)
-    self.done = True
-
-  def abort(self):
-    if not self.done:
-      shutil.rmtree(self.tmp, ignore_errors=True)
-
-  def __enter__(self):
-    return self
-
-  def __exit__(self, exc_type, *exc):
-    if exc_type is not None or not self.done:
-      self.abort()
+  def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
+               kind: str = "checkpoint"):
+    super().__init__(out, kind=kind, overwrite=overwrite)
 
 
 def _array_dir(root: Path, name: str) -> Path:
@@ -156,7 +113,7 @@ class DeltaWriter(AtomicDir):
   """Streams delta entries to a new delta directory; `finish` writes the manifest and commits."""
 
   def __init__(self, out, *, overwrite: bool = False):
-    super().__init__(out, overwrite=overwrite)
+    super().__init__(out, overwrite=overwrite, kind="delta")
     self.tensors: dict[str, dict] = {}
 
   def add(self, name: str, entry: Entry, hf_shape: Iterable[int] | None = None):
@@ -303,13 +260,13 @@ def update_scales(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
     if list(np.shape(a)) != meta["arrays"]["scale"]["shape"]:
       raise DeltaStoreError(f"{path}: new scale for {name!r} has shape {list(np.shape(a))}, "
                             f"expected {meta['arrays']['scale']['shape']}")
-  with AtomicDir(path, overwrite=True) as out:
+  with AtomicDir(path, overwrite=True, kind="delta") as out:
     for src in path.rglob("*"):
       rel = src.relative_to(path)
       dst = out.tmp / rel
       if src.is_dir():
         dst.mkdir(parents=True, exist_ok=True)
-      elif rel.name != MANIFEST:
+      elif rel.name not in (MANIFEST, MARKER):
         dst.parent.mkdir(parents=True, exist_ok=True)
         os.link(src, dst)
     for name, a in scales.items():

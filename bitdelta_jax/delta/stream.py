@@ -76,7 +76,18 @@ def _linear_chunk(base_rows, ft_rows, *, group_k: int):
           jnp.any(ft_rows != base_rows))
 
 
-def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, policy, base_crc):
+def _sample_norm_ratio(b: np.ndarray, f: np.ndarray) -> float:
+  """‖Δ‖/‖W_base‖ on up to 64 evenly spaced rows of a block (a cheap plausibility check)."""
+  step = max(1, b.shape[0] // 64)
+  b32, f32 = b[::step].astype(np.float32), f[::step].astype(np.float32)
+  w2 = float(np.sum(b32 * b32))
+  d = f32 - b32
+  d2 = float(np.sum(d * d))
+  return math.sqrt(d2 / w2) if w2 > 0 else (0.0 if d2 == 0 else math.inf)
+
+
+def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, policy, base_crc,
+                            norm_ratios: dict | None = None):
   info = ft.info(name)
   n, k = info.shape
   g = group_k_for(k, policy.group_k)
@@ -96,6 +107,8 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
 
   bufs = [(_buffer(base.info(name), r), _buffer(info, r)) for _ in range(2)]
   first = (base.read_rows(name, 0, r, bufs[0][0]), ft.read_rows(name, 0, r, bufs[0][1]))
+  if norm_ratios is not None:
+    norm_ratios[name] = _sample_norm_ratio(*first)
   if pack_native.unavailable_reason(*first) is None:
     # Native packer: the next block is read (and the base checksummed) on a thread while this
     # one is packed; both release the GIL. Two reused buffer pairs alternate.
@@ -206,6 +219,7 @@ def check_pair(base: CheckpointReader, ft: CheckpointReader, policy: CompressPol
   missing = [n for n in base.names() if n not in ft]
   if missing:
     raise DeltaMismatchError(f"{ft.path}: fine-tune lacks base tensor(s) {missing[:5]}")
+  grown_rows = {}
   for n in base.names():
     bs, fs = base.info(n).shape, ft.info(n).shape
     if bs != fs:
@@ -214,6 +228,33 @@ def check_pair(base: CheckpointReader, ft: CheckpointReader, policy: CompressPol
         raise DeltaMismatchError(
           f"shape mismatch for tensor {n!r}: {list(bs)} in {base.path}, {list(fs)} in {ft.path}"
         )
+      grown_rows[n] = (bs[0], fs[0])
+  return grown_rows
+
+
+# Median ‖W_ft − W_base‖/‖W_base‖ of the linear layers above which the pair is unlikely to be a
+# fine-tune of that base: fine-tunes move weights by a few percent (Vicuna/Llama-2: ~0.01-0.05),
+# independently trained models by ~1.4.
+IMPLAUSIBLE_DELTA_RATIO = 0.5
+
+
+def pair_warnings(norm_ratios: dict[str, float], grown_rows: dict[str, tuple[int, int]]
+                  ) -> tuple[list[str], list[str]]:
+  """``(warnings, notes)`` for a compressed pair: a probable wrong base, a grown vocabulary."""
+  warnings, notes = [], []
+  if norm_ratios:
+    med = float(np.median(list(norm_ratios.values())))
+    if med > IMPLAUSIBLE_DELTA_RATIO:
+      warnings.append(
+        f"the linear-layer deltas are implausibly large for a fine-tune (median "
+        f"|W_ft - W_base| / |W_base| = {med:.2f} over {len(norm_ratios)} matrices, "
+        f"fine-tunes are typically < 0.1): is --base really the model this was fine-tuned from?")
+  if grown_rows:
+    old, new = max(grown_rows.values(), key=lambda v: v[1])
+    names = ", ".join(sorted(grown_rows))
+    notes.append(f"the fine-tune grew the vocabulary from {old} to {new} tokens ({new - old} new "
+                 f"rows in {names}, stored exactly)")
+  return warnings, notes
 
 
 def compress_checkpoints(
@@ -222,8 +263,8 @@ def compress_checkpoints(
 ) -> dict:
   """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest."""
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
-    check_pair(base, ft, policy)
-    lines, fp = [], {}
+    grown_rows = check_pair(base, ft, policy)
+    lines, fp, norm_ratios = [], {}, {}
     with DeltaWriter(out_dir, overwrite=overwrite) as w:
       names = ft.names()
       with tqdm(names, desc="compress", unit="tensor", disable=not progress) as bar:
@@ -235,7 +276,7 @@ def compress_checkpoints(
             line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
                                 entry.nbytes, 0.0, note="not in base")
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
-            entry, line = _compress_linear_stream(name, base, ft, policy, crc)
+            entry, line = _compress_linear_stream(name, base, ft, policy, crc, norm_ratios)
           elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
             # One streamed pass compares and checksums the base; a changed tensor kept as its
             # value needs no second read of the base.
@@ -260,10 +301,13 @@ def compress_checkpoints(
           w.add(name, entry, hf_shape=info.shape)
           lines.append(line)
       report = Report(lines)
-      src = {"base_path": str(Path(base_dir).resolve()), "finetuned_path": str(Path(ft_dir).resolve())}
+      # Directory names only: a manifest records no absolute paths of the machine it was built on.
+      src = {"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name}
       cfg = _read_config(ft.path)
+      warnings, notes = pair_warnings(norm_ratios, grown_rows)
       return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
-                      extra={"source": src, "finetuned_config": cfg, **(extra or {})})
+                      extra={"source": src, "finetuned_config": cfg, "warnings": warnings,
+                             "notes": notes, **(extra or {})})
 
 
 def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
@@ -321,7 +365,8 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
         size = 0
       shards[-1].append(n)
       size += nb
-    with AtomicDir(out_dir, overwrite=overwrite) as out, contextlib.ExitStack() as stack:
+    with AtomicDir(out_dir, overwrite=overwrite, kind="checkpoint") as out, \
+        contextlib.ExitStack() as stack:
       bar = tqdm(total=len(out_specs), desc="apply", unit="tensor", disable=not progress)
       stack.callback(bar.close)
       weight_map = {}

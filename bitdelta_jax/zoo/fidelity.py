@@ -23,6 +23,8 @@ from bitdelta_jax.delta.stream import compress_checkpoints
 from bitdelta_jax.distill import distill_checkpoint
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.slots import load_variant
+from bitdelta_jax.outputs import OutputError, atomic_write_bytes, atomic_write_text
+from bitdelta_jax.outputs import describe as describe_path
 from bitdelta_jax.zoo import cache_dir, shipped_family
 from bitdelta_jax.zoo.evaluate import exact_match_and_nll
 from bitdelta_jax.zoo.recipe import ZooConfig, delta_norm_ratio, ensure_finetune
@@ -75,6 +77,7 @@ def evaluate_variant(name: str, base_dir: Path, ft_dir: Path, cfg: ZooConfig, n_
 
 def run_eval(out_dir: Path, *, variants: list[str] | None = None, n_eval: int = 256,
              progress: bool = True) -> dict:
+  check_results_dir(out_dir)  # before hours of work, not after
   base_dir, shipped = shipped_family()
   meta = json.loads((base_dir.parent / "family.json").read_text())
   cfg = ZooConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()})
@@ -85,15 +88,33 @@ def run_eval(out_dir: Path, *, variants: list[str] | None = None, n_eval: int = 
       results[name] = evaluate_variant(name, base_dir, ft_dir, cfg, n_eval, Path(tmp),
                                        progress=progress)
       em = results[name]["exact_match"]
-      print(f"{name}: base {em['base']:.1f}  finetune {em['finetune']:.1f}  "
-            + "  ".join(f"{f} {em[f]:.1f}" for f in FORMS), flush=True)
+      if progress:
+        print(f"{name}: base {em['base']:.1f}  finetune {em['finetune']:.1f}  "
+              + "  ".join(f"{f} {em[f]:.1f}" for f in FORMS), flush=True)
   write_results(results, out_dir)
   return results
 
 
+def check_results_dir(out_dir: Path) -> None:
+  """`bitdelta eval --out` is a folder of results shared with other benches: it must be a
+  directory (or not exist); only our own three ``fidelity.*`` files in it are replaced."""
+  out_dir = Path(out_dir)
+  if out_dir.is_symlink() and not out_dir.is_dir() or out_dir.exists() and not out_dir.is_dir():
+    raise OutputError(f"{out_dir}: refusing to write results into {describe_path(out_dir)} "
+                      "(--out must be a directory)")
+  for f in ("fidelity.json", "fidelity.md", "fidelity.png"):
+    p = out_dir / f
+    if p.is_symlink() or p.exists() and not p.is_file():
+      raise OutputError(f"{p}: refusing to replace {describe_path(p)} with a results file")
+
+
 def write_results(results: dict, out_dir: Path) -> None:
+  """Writes ``fidelity.{json,md,png}`` into ``out_dir``, each file replaced atomically."""
+  import io
   import sys
 
+  out_dir = Path(out_dir)
+  check_results_dir(out_dir)
   out_dir.mkdir(parents=True, exist_ok=True)
   sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
   try:
@@ -102,8 +123,8 @@ def write_results(results: dict, out_dir: Path) -> None:
     machine = describe()
   except ImportError:
     machine = {}
-  (out_dir / "fidelity.json").write_text(json.dumps({"machine": machine, "variants": results},
-                                                    indent=1))
+  atomic_write_text(out_dir / "fidelity.json",
+                    json.dumps({"machine": machine, "variants": results}, indent=1))
   rows = [
     "# Fidelity of the built-in family: full fine-tune vs BitDelta", "",
     "Exact match (%) on each variant's held-out set (greedy), and the difference to the full "
@@ -147,7 +168,7 @@ def write_results(results: dict, out_dir: Path) -> None:
            "move the weights by 11-22%, several times more than large-model fine-tunes, and the "
            "tasks that need exact multi-step outputs (reverse, math) lose the most. Per-column α "
            "plus distillation recovers most of the gap everywhere."]
-  (out_dir / "fidelity.md").write_text("\n".join(rows) + "\n")
+  atomic_write_text(out_dir / "fidelity.md", "\n".join(rows) + "\n")
   try:
     import matplotlib
 
@@ -166,6 +187,9 @@ def write_results(results: dict, out_dir: Path) -> None:
     ax.set_title("built-in family: full fine-tune vs 1-bit deltas")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(out_dir / "fidelity.png", dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    atomic_write_bytes(out_dir / "fidelity.png", buf.getvalue())
   except ImportError:
     pass
