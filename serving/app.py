@@ -18,6 +18,8 @@ import concurrent.futures
 import hmac
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -39,6 +41,16 @@ SERVER_KEY = web.AppKey("server", object)
 MAX_BODY = web.AppKey("max_body", int)
 
 
+class BadVariantsError(ConfigError):
+  """Configured variants that fail their start-up checks (``bitdelta serve`` exits 2)."""
+
+  def __init__(self, bad: dict[str, str]):
+    lines = "\n".join(f"  variant {n!r}: {why}" for n, why in bad.items())
+    super().__init__(f"{len(bad)} configured variant(s) fail their start-up checks:\n{lines}\n"
+                     "fix or remove them, or start with --skip-bad-variants to serve the rest")
+    self.bad = dict(bad)
+
+
 class Server:
   """Owns the engine, registry, cache and router of one running server."""
 
@@ -52,6 +64,7 @@ class Server:
     self.cache: DeltaCache | None = None
     self.router: Router | None = None
     self.base_fp: dict | None = None
+    self.bad_variants: dict[str, str] = {}  # configured but left out: name -> why
     self.started = time.time()
 
   # -- lifecycle -------------------------------------------------------------------------------
@@ -73,17 +86,7 @@ class Server:
       self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
                              lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]))
-    for name, path in cfg.variants:
-      name, p = self.registry.check(name, path, source="config")
-      try:
-        nbytes = await loop.run_in_executor(self.io, self.registry.inspect, p, self._base_check)
-        err = None
-      except (RegistryError, DeltaStoreError, DeltaMismatchError) as e:
-        nbytes, err = 0, str(e)
-      v = self.registry.add(name, p, nbytes, source="config")
-      if err:  # keep serving the others; requests for this one get the error
-        log.warning("variant %s: %s", name, err)
-        v.load_error = err
+    await self._add_config_variants()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
                          lora_rank=lora_rank)
     await asyncio.wrap_future(self.engine.start())
@@ -94,10 +97,39 @@ class Server:
       v.pinned = v.name in cfg.pins
       self.metrics.set_tier(v.name, "disk")
     for name in cfg.pins:
+      if name in self.bad_variants:
+        continue
       try:
         await self.cache.preload(self.registry.get(name))
       except LoadError as e:  # serve the rest; requests for it get the error
         log.warning("pinned %s", e)
+
+  async def _add_config_variants(self) -> None:
+    """Checks every configured variant (directory, manifest, base, arrays) before the model
+    loads. A failure is a `BadVariantsError` naming each variant and why, unless
+    ``skip_bad_variants``: then the variant is left out and `/health` reports it."""
+    loop, cfg = asyncio.get_running_loop(), self.cfg
+
+    def check(name, path):  # IO thread
+      name, p = self.registry.check(name, path, source="config")
+      return p, self.registry.inspect(p, self._base_check, verify=cfg.verify_variants)
+
+    futs = [loop.run_in_executor(self.io, check, n, p) for n, p in cfg.variants]
+    results = await asyncio.gather(*futs, return_exceptions=True)
+    for (name, _), res in zip(cfg.variants, results, strict=True):
+      if isinstance(res, BaseException):
+        if not isinstance(res, RegistryError | DeltaStoreError | DeltaMismatchError | OSError
+                          | ValueError):
+          raise res
+        self.bad_variants[name] = str(res)
+        continue
+      p, nbytes = res
+      self.registry.add(name, p, nbytes, source="config")
+    if self.bad_variants:
+      if not cfg.skip_bad_variants:
+        raise BadVariantsError(self.bad_variants)
+      for name, why in self.bad_variants.items():
+        log.warning("variant %s left out (it fails its start-up checks): %s", name, why)
 
   async def cleanup(self, _app=None) -> None:
     if self.engine is not None:
@@ -159,7 +191,9 @@ class Server:
     room = cfg.max_seq_len - len(prompt)
     max_tokens = min(opts.max_tokens or cfg.default_max_tokens, room)
     params = SamplingParams(
-      temperature=opts.temperature, top_p=opts.top_p, top_k=opts.top_k, seed=opts.seed,
+      temperature=opts.temperature, top_p=opts.top_p,
+      top_k=opts.top_k if opts.top_k < self.engine.vocab_size else 0,  # >= vocab: no top-k
+      seed=opts.seed,
       max_new_tokens=max_tokens, stop_token_ids=() if opts.ignore_eos else self.engine.eos_ids,
       stop_strings=opts.stop)
     if not self.engine.alive:
@@ -200,7 +234,12 @@ class Server:
         return resp
       parts, ev = [], None
       while True:
-        ev = await events.get()
+        ev = await _next_event(events, request)
+        if ev is None:  # the client went away: stop decoding (the engine frees the row)
+          req.cancelled = True
+          finished = True
+          self.metrics.requests.labels(model, endpoint, "499").inc()
+          return web.Response(status=499, text="the client disconnected")  # never sent
         if ev.kind == "error":
           finished = True
           if ev.code == "worker_lost":
@@ -301,7 +340,8 @@ class Server:
     try:
       name, p = self.registry.check(name, path, source="admin")
       nbytes = await asyncio.get_running_loop().run_in_executor(
-        self.io, self.registry.inspect, p, self._base_check)
+        self.io, lambda: self.registry.inspect(p, self._base_check,
+                                               verify=self.cfg.verify_variants))
       v = self.registry.add(name, p, nbytes, source="admin")
     except RegistryError as e:
       raise P.ApiError(e.status, str(e), param=e.param, code=e.code) from None
@@ -328,10 +368,14 @@ class Server:
     lost = e.lost if e is not None else None
     ok = e is not None and e.alive and not lost
     extra = {"error": lost} if lost else {}
+    if self.bad_variants:  # serving, but without these (--skip-bad-variants)
+      extra["skipped_variants"] = dict(self.bad_variants)
     if self.cfg.multi_process:
       extra["processes"] = self.cfg.num_processes
+    status = "unavailable" if not ok and not lost else "degraded" if lost or self.bad_variants \
+      else "ok"
     return web.json_response({
-      "status": "ok" if ok else "degraded" if lost else "unavailable", **extra,
+      "status": status, **extra,
       "model": self.cfg.model_id,
       "variants": len(self.registry.all()) if self.registry else 0,
       "active_rows": e.active_rows if e else 0, "queue_depth": e.queue_depth if e else 0,
@@ -341,6 +385,21 @@ class Server:
   async def metrics_route(self, request: web.Request) -> web.Response:
     return web.Response(body=self.metrics.render(),
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def _next_event(events: asyncio.Queue, request: web.Request) -> Event | None:
+  """The next engine event, or None once the client has disconnected (aiohttp does not
+  cancel a handler when its client goes away, so a non-streaming handler polls)."""
+  while True:
+    try:
+      return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+    except TimeoutError:
+      t = request.transport
+      if t is None or t.is_closing():
+        return None
 
 
 def _read_manifests(variants) -> dict:
@@ -366,13 +425,24 @@ def _unknown(model) -> P.ApiError:
 
 
 # -- middleware -------------------------------------------------------------------------------
+def _count(request: web.Request, status: int) -> None:
+  resource = request.match_info.route.resource
+  route = resource.canonical if resource is not None else "unmatched"
+  request.app[SERVER_KEY].metrics.responses.labels(route, str(status)).inc()
+
+
 @web.middleware
 async def _errors(request: web.Request, handler):
+  status = 500
   try:
-    return await handler(request)
+    resp = await handler(request)
+    status = resp.status
+    return resp
   except P.ApiError as e:
+    status = e.status
     return web.json_response(e.body(), status=e.status, headers=e.headers)
   except web.HTTPException as e:
+    status = e.status
     if e.status < 400:
       raise
     msg = {413: f"the request body is larger than the limit ({request.app[MAX_BODY]} bytes)"}
@@ -382,11 +452,14 @@ async def _errors(request: web.Request, handler):
     headers = {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")}
     return web.json_response(body, status=e.status, headers=headers)
   except (ConnectionError, asyncio.CancelledError):
+    status = 499  # client closed the request (nginx's code); nothing is sent
     raise
   except Exception as e:  # noqa: BLE001  nothing crashes the server
     log.exception("unhandled error in %s %s", request.method, request.path)
     return web.json_response(
       P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status=500)
+  finally:
+    _count(request, status)
 
 
 def _auth(api_key: str | None):
@@ -427,7 +500,31 @@ def build_app(cfg: ServerConfig) -> tuple[web.Application, Server]:
 
 
 # -- running ----------------------------------------------------------------------------------
+def check_port(host: str, port: int) -> None:
+  """Binds (and releases) ``host:port`` as the server will, so that a port in use fails in a
+  second, before the model loads; a `ConfigError` names the address. Port 0 always works."""
+  if port == 0:
+    return
+  try:
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+  except (OSError, UnicodeError) as e:
+    raise ConfigError(f"host: cannot resolve {host!r} ({e})") from None
+  for family, kind, proto, _, addr in infos:
+    with socket.socket(family, kind, proto) as sock:
+      if os.name == "posix":  # as asyncio's create_server: TIME_WAIT does not block a restart
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+      try:
+        sock.bind(addr)
+      except OSError as e:
+        raise ConfigError(f"port: cannot listen on {host}:{port} ({e.strerror or e}); is another "
+                          "server running there? Choose another with --port") from None
+
+
 async def start_site(cfg: ServerConfig) -> tuple[web.AppRunner, Server, int]:
+  check_port(cfg.host, cfg.port)
   app, server = build_app(cfg)
   runner = web.AppRunner(app, access_log=None, handle_signals=False)
   try:
@@ -502,4 +599,4 @@ class ServerThread:
     self.stop()
 
 
-__all__ = ["ConfigError", "Server", "ServerThread", "build_app", "start_site"]
+__all__ = ["BadVariantsError", "ConfigError", "Server", "ServerThread", "build_app", "start_site"]

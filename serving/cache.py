@@ -104,8 +104,8 @@ class DeltaCache:
       if first:
         m.cache_misses.labels(v.name, "device").inc()
         first = False
-      if v.deleting:
-        raise LoadError(v.name, "the variant is being deleted")
+      # a variant being deleted still loads for the requests accepted before the DELETE (the
+      # router admits no new ones); the DELETE waits for them, then drops it
       task = self.loading.get(v.name)
       if task is None:
         if self.clock() - v.load_failed_at < self.cfg.load_retry_s and v.load_error:
@@ -197,8 +197,6 @@ class DeltaCache:
         return i + 1
       if not any(self.refs) and not self.loading.keys() - {v.name}:
         raise LoadError(v.name, f"all {len(self.slots)} device slots hold pinned variants")
-      if v.deleting:
-        raise LoadError(v.name, "the variant is being deleted")
       fut = asyncio.get_running_loop().create_future()
       self._slot_waiters.append(fut)
       await fut

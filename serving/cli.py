@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -62,6 +65,14 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--no-verify-base", action="store_true",
                  help="check deltas against the base's names/shapes/dtypes only, not the crc32 of "
                       "every base tensor (which reads the whole base once more at start)")
+  p.add_argument("--no-verify-variants", action="store_true",
+                 help="at start, check each variant's manifest only, not the crc32 of its arrays "
+                      "(a corrupt delta then fails at its first request)")
+  p.add_argument("--skip-bad-variants", action="store_true",
+                 help="serve without the variants that fail their start-up checks (missing, for "
+                      "another base, corrupt) instead of exiting; /health then says 'degraded'")
+  p.add_argument("--quiet", action="store_true",
+                 help="print only the banner, warnings and errors (no loading / compile progress)")
   from bitdelta_jax import distributed
 
   # --mesh, --coordinator, --num-processes, --process-id, --step-timeout (docs/SCALING.md);
@@ -129,17 +140,22 @@ def config_from_args(args, *, base: str | None = None,
     d["warmup"] = False
   if getattr(args, "no_verify_base", False):
     d["verify_base"] = False
+  if getattr(args, "no_verify_variants", False):
+    d["verify_variants"] = False
+  if getattr(args, "skip_bad_variants", False):
+    d["skip_bad_variants"] = True
   return ServerConfig(**d)
 
 
 def cmd_serve(args) -> int:
-  run_server(config_from_args(args))
+  run_server(config_from_args(args), quiet=getattr(args, "quiet", False))
   return 0
 
 
 def cmd_demo(args) -> int:
   cfg = demo_config()
-  run_server(config_from_args(args, base=cfg.base, variants=cfg.variants), demo=True)
+  run_server(config_from_args(args, base=cfg.base, variants=cfg.variants), demo=True,
+             quiet=getattr(args, "quiet", False))
   return 0
 
 
@@ -167,8 +183,11 @@ def _task_examples(names) -> dict[str, str]:
   return {n: TASKS[n].heldout(1)[0][0] for n in names if n in TASKS}
 
 
-def banner(cfg: ServerConfig, url: str, *, demo: bool = False) -> str:
-  names = [n for n, _ in cfg.variants]
+def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str] | None = None,
+           skipped: dict[str, str] | None = None) -> str:
+  """The start-up banner; ``served`` (default: every configured variant) lists the variants
+  that passed their checks, ``skipped`` those left out and why."""
+  names = [n for n, _ in cfg.variants] if served is None else list(served)
   examples = _task_examples(names) if demo else {}
   example = next(iter(examples), names[0] if names else cfg.model_id)
   content = examples.get(example, "Hello")
@@ -176,30 +195,75 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False) -> str:
   lines = [
     f"serving {cfg.model_id} and {len(names)} variant(s) at {url}",
     f"  variants: {', '.join(names) or '(none)'}",
+  ]
+  for n, why in (skipped or {}).items():
+    lines.append(f"  skipped:  {n} (fails its start-up checks: {why})")
+  lines += [
     f"  models:   curl{auth} {url}/v1/models",
     f"  complete: curl{auth} {url}/v1/chat/completions -H 'Content-Type: application/json' \\",
     f"              -d '{{\"model\": \"{example}\", \"messages\": [{{\"role\": \"user\", "
-    f"\"content\": \"{content}\"}}], \"max_tokens\": 32}}'",
+    f"\"content\": \"{content}\"}}], \"temperature\": 0, \"max_tokens\": 32}}'",
     "  python:   from openai import OpenAI; c = OpenAI(base_url="
     f"'{url}/v1', api_key='{cfg.api_key or 'none'}')",
     f"  admin:    GET {url}/v1/variants   metrics: GET {url}/metrics   (Ctrl-C stops)",
   ]
   if examples:
-    lines.append("  each variant does one task (letters a-j); try these chat messages:")
+    lines.append("  each variant does one task (letters a-j); try these chat messages "
+                 "(temperature 0):")
     lines += [f"    {n:<14} {p!r}" for n, p in examples.items()]
   return "\n".join(lines)
 
 
-def run_server(config: ServerConfig, *, demo: bool = False) -> None:
+@contextlib.contextmanager
+def compile_progress(emit, *, min_seconds: float = 0.25):
+  """While active, ``emit(line)`` once per XLA compilation that took ``min_seconds`` or more
+  (JAX's own compile log, so it follows whatever the engine compiles: each prefill bucket,
+  the decode step, ...); JAX's other compile-log lines are swallowed."""
+  import jax
+
+  t0 = time.perf_counter()
+  counts: dict[str, int] = {}
+  pat = re.compile(r"^Finished XLA compilation of (?:jit|pjit)?\(?([^)\s]+)\)? in ([0-9.]+) sec")
+
+  class Handler(logging.Handler):
+    def emit(self, record):
+      msg = record.getMessage()
+      m = pat.match(msg)
+      if m is None:
+        if not msg.startswith(("Finished tracing", "Compiling ", "Finished jaxpr")):
+          sys.stderr.write(f"{record.levelname.lower()}: {msg}\n")
+        return
+      secs = float(m.group(2))
+      if secs < min_seconds:
+        return
+      name = m.group(1).strip("_").removesuffix("_impl")
+      counts[name] = counts.get(name, 0) + 1
+      emit(f"  compiled {name} #{counts[name]} in {secs:.1f} s "
+           f"({time.perf_counter() - t0:.0f} s so far)")
+
+  jax_log = logging.getLogger("jax")
+  handler, propagate = Handler(), jax_log.propagate
+  was = jax.config.jax_log_compiles
+  jax_log.addHandler(handler)
+  jax_log.propagate = False
+  jax.config.update("jax_log_compiles", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_log_compiles", was)
+    jax_log.removeHandler(handler)
+    jax_log.propagate = propagate
+
+
+def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False) -> None:
   """Runs the server in the foreground until SIGINT / SIGTERM.
 
   With ``num_processes > 1`` this first joins the `jax.distributed` runtime; process 0 serves
   HTTP, the others follow its step plans (`serving.multihost`) until it stops, and every
   process ends with ``os._exit`` (the runtime's shutdown barrier would wait for a dead peer).
   """
-  import logging
-
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                      format="%(asctime)s %(name)s: %(message)s")
   if config.multi_process:
     import jax
 
@@ -218,7 +282,7 @@ def run_server(config: ServerConfig, *, demo: bool = False) -> None:
       os._exit(code)
     code = 0
     try:
-      _run_http(config, demo=demo)
+      _run_http(config, demo=demo, quiet=quiet)
     except BaseException:  # noqa: BLE001  report, then exit without the shutdown barrier
       import traceback
 
@@ -229,17 +293,28 @@ def run_server(config: ServerConfig, *, demo: bool = False) -> None:
       sys.stderr.flush()
       time.sleep(1.0)  # followers leave on the stop plan; this process hosts the coordinator
       os._exit(code)
-  _run_http(config, demo=demo)
+  _run_http(config, demo=demo, quiet=quiet)
 
 
-def _run_http(config: ServerConfig, *, demo: bool = False) -> None:
+def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) -> None:
   from serving.app import start_site
 
   async def main():
-    print(f"loading {config.base} ({len(config.variants)} variants)...", file=sys.stderr)
-    runner, _server, port = await start_site(config)
+    def say(line: str) -> None:
+      if not quiet:
+        print(line, file=sys.stderr, flush=True)
+
+    say(f"loading {config.base} ({len(config.variants)} variants)...")
+    if config.warmup:
+      say("compiling (one line per compiled program; this can take minutes)...")
+    t0 = time.perf_counter()
+    with compile_progress(say) if not quiet else contextlib.nullcontext():
+      runner, server, port = await start_site(config)
+    say(f"ready in {time.perf_counter() - t0:.0f} s")
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    print(banner(config, f"http://{host}:{port}", demo=demo), flush=True)
+    print(banner(config, f"http://{host}:{port}", demo=demo,
+                 served=[v.name for v in server.registry.all()], skipped=server.bad_variants),
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

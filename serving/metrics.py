@@ -1,6 +1,8 @@
 """Prometheus metrics of one server (its own registry, so several servers can share a process).
 
-Per-variant series carry a ``model`` label (the request's model id; the base is its own id).
+Per-variant series carry a ``model`` label (the request's model id; the base is its own id);
+``bitdelta_http_responses_total`` counts every response by route pattern and status code (no
+model label: a 404's model name is the client's, not a bounded set).
 Updated from the event loop, the IO threads and the device thread (prometheus_client is
 thread-safe).
 """
@@ -13,8 +15,13 @@ from prometheus_client import (
   Counter,
   Gauge,
   Histogram,
+  disable_created_metrics,
   generate_latest,
 )
+
+# No ``*_created`` series: they double every counter/histogram family in the exposition and
+# scrapers that do not understand them show them as duplicates (process-wide setting).
+disable_created_metrics()
 
 TIERS = ("device", "host", "disk")
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -26,6 +33,9 @@ class Metrics:
     r = self.registry = CollectorRegistry()
     self.requests = Counter("bitdelta_requests", "Completed HTTP generation requests",
                             ["model", "endpoint", "status"], registry=r)
+    self.responses = Counter("bitdelta_http_responses", "HTTP responses by route and status code "
+                             "(every route; 4xx and 5xx included)", ["route", "status"],
+                             registry=r)
     self.prompt_tokens = Counter("bitdelta_prompt_tokens", "Prompt tokens", ["model"], registry=r)
     self.generated_tokens = Counter("bitdelta_generated_tokens", "Generated tokens", ["model"],
                                     registry=r)

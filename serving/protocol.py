@@ -62,7 +62,11 @@ def _num(body: Mapping, key: str, default: float, lo: float, hi: float, *, lo_op
   return float(x)
 
 
-def _int(body: Mapping, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int(body: Mapping, key: str, lo: int | None = None, hi: int | None = INT32_MAX) -> int | None:
   x = body.get(key)
   if x is None:
     return None
@@ -72,7 +76,7 @@ def _int(body: Mapping, key: str, lo: int | None = None, hi: int | None = None) 
     else:
       raise invalid(key, f"must be an integer, got {json.dumps(x)[:40]}")
   if (lo is not None and x < lo) or (hi is not None and x > hi):
-    bounds = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
     raise invalid(key, f"must be {bounds}, got {x}")
   return x
 
@@ -86,13 +90,24 @@ def _bool(body: Mapping, key: str, default: bool = False) -> bool:
   return x
 
 
+def check_text(s: str, param: str) -> str:
+  """``s`` unchanged, or a 400 naming ``param`` if it holds a lone UTF-16 surrogate (JSON
+  allows ``"\\ud800"``; no tokenizer can encode it)."""
+  try:
+    s.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise invalid(param, f"is not valid Unicode: a lone surrogate {s[e.start]!a} at character "
+                         f"{e.start}") from None
+  return s
+
+
 def model_of(body: Mapping) -> str:
   m = body.get("model")
   if m is None:
     raise invalid("model", "is required")
   if not isinstance(m, str) or not m:
     raise invalid("model", "must be a non-empty string")
-  return m
+  return check_text(m, "model")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +125,79 @@ class Options:
   ignore_eos: bool = False  # vLLM's extension: generate through the end-of-sequence token
 
 
-def options_of(body: Mapping, *, chat: bool) -> Options:
-  n = _int(body, "n", 1)
-  if n is not None and n != 1:
-    raise invalid("n", "only n=1 is supported")
-  if body.get("best_of") not in (None, 1):
-    raise invalid("best_of", "only best_of=1 is supported")
+# OpenAI (and vLLM) request fields this server does not implement: a request that sets one to
+# anything but its neutral value gets a 400 naming it, never a silently different answer.
+# Fields not listed here and not read below (``user``, ``metadata``, ``store``, ...) are ignored.
+def _neutral_none(x) -> bool:
+  return x is None
+
+
+def _neutral_empty(x) -> bool:
+  return x is None or x == [] or x == {}
+
+
+def _neutral_false(x) -> bool:
+  return x is None or x is False
+
+
+UNSUPPORTED: dict[str, tuple] = {  # field -> (is_neutral(value), what it would do)
+  "tools": (_neutral_empty, "tool calling is not supported"),
+  "functions": (_neutral_empty, "function calling is not supported"),
+  "tool_choice": (lambda x: x in (None, "none", "auto"), "tool calling is not supported"),
+  "function_call": (lambda x: x in (None, "none", "auto"), "function calling is not supported"),
+  "response_format": (lambda x: x is None or x == {"type": "text"},
+                      "structured output (response_format) is not supported; only "
+                      '{"type": "text"}'),
+  "logit_bias": (_neutral_empty, "logit_bias is not supported"),
+  "top_logprobs": (lambda x: x in (None, 0), "log probabilities are not supported"),
+  "suffix": (lambda x: x in (None, ""), "suffix (insertion) is not supported"),
+  "audio": (_neutral_none, "audio output is not supported"),
+  "modalities": (lambda x: x in (None, ["text"]), 'only the "text" modality is supported'),
+  "prediction": (_neutral_none, "predicted outputs are not supported"),
+  "web_search_options": (_neutral_none, "web search is not supported"),
+  # vLLM sampling extensions
+  "min_p": (lambda x: x in (None, 0), "min_p sampling is not supported"),
+  "repetition_penalty": (lambda x: x in (None, 1), "repetition_penalty is not supported"),
+  "min_tokens": (lambda x: x in (None, 0), "min_tokens is not supported"),
+  "use_beam_search": (_neutral_false, "beam search is not supported"),
+  "stop_token_ids": (_neutral_empty, "stop_token_ids is not supported; use stop strings"),
+  "include_stop_str_in_output": (_neutral_false, "include_stop_str_in_output is not supported"),
+  "guided_json": (_neutral_none, "guided decoding is not supported"),
+  "guided_regex": (_neutral_none, "guided decoding is not supported"),
+  "guided_choice": (_neutral_none, "guided decoding is not supported"),
+  "guided_grammar": (_neutral_none, "guided decoding is not supported"),
+  "structured_outputs": (_neutral_none, "guided decoding is not supported"),
+}
+
+
+def refuse_unsupported(body: Mapping, *, chat: bool) -> None:
+  """400 for the first field of `UNSUPPORTED` (and the penalties, n, best_of, logprobs, echo)
+  that asks for something this server does not do."""
+  for key in ("presence_penalty", "frequency_penalty"):
+    if _num(body, key, 0.0, -2.0, 2.0) != 0.0:
+      raise invalid(key, "penalties are not supported; send 0 or leave it out",
+                    code="unsupported_parameter")
+  if _int(body, "n", 1) not in (None, 1):
+    raise invalid("n", "only n=1 is supported", code="unsupported_parameter")
+  if _int(body, "best_of", 1) not in (None, 1):
+    raise invalid("best_of", "only best_of=1 is supported", code="unsupported_parameter")
   lp = body.get("logprobs")
-  if lp not in (None, False) and not (lp == 0 and not chat):
-    raise invalid("logprobs", "log probabilities are not supported")
+  if lp not in (None, False) and not (lp == 0 and not chat and not isinstance(lp, bool)):
+    raise invalid("logprobs", "log probabilities are not supported", code="unsupported_parameter")
   if body.get("echo") not in (None, False):
-    raise invalid("echo", "echo is not supported")
+    raise invalid("echo", "echo is not supported", code="unsupported_parameter")
+  for key, (neutral, what) in UNSUPPORTED.items():
+    x = body.get(key)
+    try:
+      ok = neutral(x)
+    except Exception:  # noqa: BLE001  an unhashable / odd value is not neutral
+      ok = False
+    if not ok:
+      raise invalid(key, what, code="unsupported_parameter")
+
+
+def options_of(body: Mapping, *, chat: bool) -> Options:
+  refuse_unsupported(body, chat=chat)
   max_tokens = _int(body, "max_tokens", 1)
   if chat and body.get("max_completion_tokens") is not None:
     max_tokens = _int(body, "max_completion_tokens", 1)
@@ -128,23 +205,24 @@ def options_of(body: Mapping, *, chat: bool) -> Options:
   if stop is None:
     stops: tuple[str, ...] = ()
   elif isinstance(stop, str):
-    stops = (stop,) if stop else ()
+    stops = (check_text(stop, "stop"),) if stop else ()
   elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
     if len(stop) > 4:
       raise invalid("stop", "at most 4 stop sequences")
-    stops = tuple(s for s in stop if s)
+    stops = tuple(check_text(s, "stop") for s in stop if s)
   else:
     raise invalid("stop", "must be a string or a list of strings")
-  seed = _int(body, "seed")
+  seed = _int(body, "seed", INT64_MIN, INT64_MAX)
   so = body.get("stream_options")
   if so is not None and not isinstance(so, dict):
     raise invalid("stream_options", "must be an object")
   include_usage = _bool(so or {}, "include_usage") if so else False
+  top_k = _int(body, "top_k", -1)  # vLLM: -1 (or 0) disables top-k
   return Options(
     max_tokens=max_tokens,
     temperature=_num(body, "temperature", 1.0, 0.0, 2.0),
     top_p=_num(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
-    top_k=_int(body, "top_k", 0) or 0,
+    top_k=max(top_k or 0, 0),
     seed=(secrets.randbits(31) if seed is None else seed & 0x7FFFFFFF),
     stop=stops,
     stream=_bool(body, "stream"),
@@ -161,7 +239,7 @@ def prompt_of(body: Mapping, tokenizer, vocab_size: int) -> list[int]:
   if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
     p = p[0]
   if isinstance(p, str):
-    ids = tokenizer.encode(p, add_special_tokens=True)
+    ids = tokenizer.encode(check_text(p, "prompt"), add_special_tokens=True)
   elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
     bad = [t for t in p if not 0 <= t < vocab_size]
     if bad:
@@ -205,6 +283,7 @@ def messages_of(body: Mapping) -> list[dict]:
       content = "".join(parts)
     if not isinstance(content, str):
       raise invalid(f"{where}.content", "must be a string or a list of text parts")
+    check_text(content, f"{where}.content")
     out.append({"role": "system" if role == "developer" else role, "content": content})
   return out
 

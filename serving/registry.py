@@ -17,7 +17,7 @@ from pathlib import Path
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest sizes)
 import numpy as np
 
-from bitdelta_jax.delta.store import read_manifest
+from bitdelta_jax.delta.store import DeltaStoreError, load_entry, read_manifest
 from serving.config import check_name
 
 EMBEDDING_TENSORS = ("embed_tokens", "lm_head", "wte", "wpe")
@@ -39,6 +39,12 @@ def manifest_bytes(manifest: dict) -> int:
     for a in meta["arrays"].values():
       total += int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize
   return total
+
+
+def verify_arrays(path: Path, manifest: dict) -> None:
+  """Reads each tensor of a delta (one at a time) and checks its arrays' crc32s."""
+  for name, meta in manifest["tensors"].items():
+    load_entry(Path(path), name, meta, verify=True)
 
 
 def is_adapter(path) -> bool:
@@ -123,6 +129,11 @@ class Registry:
                           status=409, code="variant_exists")
     if not isinstance(path, str) or not path or "\x00" in path:
       raise RegistryError("path must be a non-empty string", param="path")
+    try:
+      os.fsencode(path)
+    except UnicodeEncodeError:
+      raise RegistryError("path is not a valid file name (unencodable characters)",
+                          param="path") from None
     p = Path(path).expanduser()
     if source == "admin":
       if not p.is_absolute():
@@ -134,9 +145,11 @@ class Registry:
           status=403, code="path_not_allowed")
     return name, p.resolve()
 
-  def inspect(self, path: Path, base_check) -> int:
+  def inspect(self, path: Path, base_check, *, verify: bool = False) -> int:
     """Reads and checks the manifest (run in an IO thread); returns the delta's bytes.
 
+    With ``verify``, also reads every stored array once and checks its shape and crc32 (a
+    corrupt or truncated delta fails here rather than at its first request).
     A directory with ``adapter_config.json`` is a PEFT LoRA adapter: its modules must be linear
     layers of the base and its rank must fit the model's LoRA slots."""
     if not os.path.isdir(path):
@@ -144,14 +157,19 @@ class Registry:
     if is_adapter(path):
       return self._inspect_adapter(path)
     m = read_manifest(path)
-    if base_check is not None:
-      base_check(m, str(path))
-    if changes_embeddings(m) and not self.embedding_slots:
-      raise RegistryError(
-        f"{path}: this variant changes the embeddings / LM head, but the server was started "
-        f"without per-slot embedding banks (start it with this variant configured, or with "
-        f"--embedding-slots)", param="path")
-    return manifest_bytes(m)
+    try:
+      if base_check is not None:
+        base_check(m, str(path))
+      if changes_embeddings(m) and not self.embedding_slots:
+        raise RegistryError(
+          f"{path}: this variant changes the embeddings / LM head, but the server was started "
+          f"without per-slot embedding banks (start it with this variant configured, or with "
+          f"--embedding-slots)", param="path")
+      if verify:
+        verify_arrays(path, m)
+      return manifest_bytes(m)
+    except (KeyError, TypeError, AttributeError) as e:  # fields missing or of the wrong type
+      raise DeltaStoreError(f"{path}: corrupt manifest ({type(e).__name__}: {e})") from None
 
   def _inspect_adapter(self, path: Path) -> int:
     from bitdelta_jax.merge.lora import load_adapter

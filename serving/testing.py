@@ -43,3 +43,16 @@ def synthetic_family(root: str | Path, n: int = 4, config: SyntheticConfig = TIN
         shutil.rmtree(ft_dir)
     out[name] = d
   return base_dir, out
+
+
+def corrupt_arrays(delta_dir: str | Path) -> Path:
+  """Flips every byte of the first stored ``bits`` chunk of a delta in place (its crc32 then
+  fails on load); returns the directory."""
+  d = Path(delta_dir)
+  chunks = sorted(p for p in d.rglob("*") if p.is_file() and "bits" in p.parts
+                  and not p.name.startswith("."))
+  data = bytearray(chunks[0].read_bytes())
+  for i in range(len(data)):
+    data[i] ^= 0xFF
+  chunks[0].write_bytes(bytes(data))
+  return d

@@ -18,7 +18,7 @@ import requests
 
 from serving.app import ServerThread
 from serving.config import ServerConfig
-from serving.testing import synthetic_family
+from serving.testing import corrupt_arrays, synthetic_family
 
 KEY = "test-key"
 H = {"Authorization": f"Bearer {KEY}"}
@@ -26,23 +26,12 @@ VARIANTS = ["v0", "v1", "v2", "v3", "v4"]
 PROMPTS = ["hello", "The quick brown fox", "1 2 3 4"]
 
 
-def corrupt_copy(src, dst):
-  shutil.copytree(src, dst)
-  chunks = sorted(p for p in dst.rglob("*") if p.is_file() and "bits" in p.parts
-                  and not p.name.startswith("."))
-  data = bytearray(chunks[0].read_bytes())
-  for i in range(len(data)):
-    data[i] ^= 0xFF
-  chunks[0].write_bytes(bytes(data))
-  return dst
-
-
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
   root = tmp_path_factory.mktemp("family")
   base, deltas = synthetic_family(root, n=len(VARIANTS))
   extra = synthetic_family(root, n=2, prefix="x", seed=0)[1]  # more cold variants, same base
-  broken = corrupt_copy(deltas["v0"], root / "deltas" / "broken")
+  broken = shutil.copytree(deltas["v0"], root / "deltas" / "broken")  # corrupted once started
   return base, deltas, extra, broken
 
 
@@ -59,6 +48,7 @@ def server(family):
   )
   assert one_delta > 0
   with ServerThread(cfg) as h:
+    corrupt_arrays(broken)  # passed the start-up checks; its first load finds it corrupt
     yield h
 
 
