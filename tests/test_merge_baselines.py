@@ -19,14 +19,34 @@ def _trees(n=3, scale=0.1):
   return base, models
 
 
-def np_trim(d, density):
+def np_rescale_l1(d, kept, eps=1e-7):
+  """mergekit 0.1.5 sparsify.rescaled_masked_tensor(norm=l1): match the unpruned L1 norm."""
+  before, after = np.abs(d).sum(), np.abs(kept).sum()
+  if before < eps or after < eps:
+    return kept
+  return kept * (before / after)
+
+
+def np_trim(d, density, rescale=False):
+  """mergekit 0.1.5 sparsify.magnitude: top k = max(1, int(density·numel)); none at <= 0."""
   if density >= 1:
     return d
+  if density <= 0:
+    return np.zeros_like(d)
   k = max(1, int(density * d.size))
   keep = np.argsort(-np.abs(d).ravel(), kind="stable")[:k]
   m = np.zeros(d.size, bool)
   m[keep] = True
-  return np.where(m.reshape(d.shape), d, 0)
+  kept = np.where(m.reshape(d.shape), d, 0)
+  return np_rescale_l1(d, kept) if rescale else kept
+
+
+def np_drop(d, mask, density, rescale):
+  """mergekit 0.1.5 sparsify.bernoulli on a given mask; rescale "density" is the DARE paper."""
+  kept = np.where(mask, d, 0)
+  if rescale in (True, "l1"):
+    return np_rescale_l1(d, kept)
+  return kept / density if rescale == "density" else kept
 
 
 def np_gta(base, xs, w, *, consensus, normalize, lam=1.0):
@@ -103,6 +123,81 @@ def test_ties(density, consensus):
     close(out[k], ref)
 
 
+@pytest.mark.parametrize("density", [0.3, [0.5, 0.0, 0.9]])
+def test_ties_rescale_matches_l1_norm_per_tensor_and_model(density):
+  base, models = _trees()
+  w = [1.0, 0.6, 0.8]
+  out = M.ties(base, models, density=density, weights=w, rescale=True)
+  plain = M.ties(base, models, density=density, weights=w)
+  dens = density if isinstance(density, list) else [density] * 3
+  for k in SHAPES:
+    trimmed = [np_trim(m[k] - base[k], dn, rescale=True) for m, dn in zip(models, dens)]
+    close(out[k], np_gta(base[k], trimmed, w, consensus="sum", normalize=True))
+    assert not np.allclose(np.asarray(out[k]), np.asarray(plain[k]))
+
+
+def test_sparsify_l1_rescale_keeps_the_norm():
+  d = RNG.normal(size=(9, 11)).astype(np.float32)
+  for density in (0.05, 0.3, 0.8):
+    kept = np.asarray(M.sparsify_magnitude(d, density, rescale=True))
+    np.testing.assert_allclose(np.abs(kept).sum(), np.abs(d).sum(), rtol=1e-5)
+    mask = np.asarray(M.magnitude_mask(d, density))
+    np.testing.assert_allclose(kept, np_trim(d, density, rescale=True), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(kept != 0, mask)
+  # below mergekit's eps=1e-7 nothing is rescaled
+  tiny = np.array([4e-9, 3e-9, 2e-9, 1e-9], np.float32)
+  np.testing.assert_array_equal(
+    np.asarray(M.sparsify_magnitude(tiny, 0.5, True)), np.where(tiny > 2.5e-9, tiny, 0)
+  )
+
+
+@pytest.mark.parametrize(
+  "method,kw",
+  [
+    ("ties", {}),
+    ("ties", {"rescale": True}),
+    ("dare_linear", {}),
+    ("dare_linear", {"normalize": True}),
+    ("dare_linear", {"rescale": "density"}),
+    ("dare_linear", {"rescale": False}),
+    ("dare_ties", {}),
+    ("dare_ties", {"rescale": "density", "normalize": True}),
+  ],
+)
+def test_density_zero_returns_the_base(method, kw):
+  """mergekit 0.1.5: magnitude() returns zeros at density <= 0, bernoulli(p=0) keeps nothing
+  and rescaled_masked_tensor leaves an all-zero result alone, so the merge is the base."""
+  base, models = _trees()
+  out = getattr(M, method)(base, models, density=0.0, **kw)
+  for k in SHAPES:
+    assert np.isfinite(np.asarray(out[k])).all()
+    np.testing.assert_array_equal(np.asarray(out[k]), base[k])
+
+
+def test_density_zero_for_one_model_drops_only_that_model():
+  base, models = _trees()
+  out = M.dare_linear(base, models, density=[1.0, 0.0, 1.0])
+  ref = M.task_arithmetic(base, [models[0], models[2]])
+  for k in SHAPES:
+    close(out[k], np.asarray(ref[k], np.float64))
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), [0.5, -1.0, 0.5]])
+def test_negative_or_nan_density_is_refused(bad):
+  base, models = _trees()
+  for fn in (M.ties, M.dare_linear, M.dare_ties):
+    with pytest.raises(ValueError, match="density"):
+      fn(base, models, density=bad)
+
+
+def test_rescale_density_is_dare_only():
+  base, models = _trees()
+  with pytest.raises(ValueError, match="DARE"):
+    M.ties(base, models, density=0.5, rescale="density")
+  with pytest.raises(ValueError, match="rescale"):
+    M.dare_linear(base, models, density=0.5, rescale="l2")
+
+
 def test_ties_opposing_signs_are_disjoint_mean():
   base = {"w": np.zeros((2, 2), np.float32)}
   a = {"w": np.array([[1.0, -1.0], [2.0, 0.0]], np.float32)}
@@ -120,15 +215,19 @@ def _dare_masks(seed, name, n, shape, density):
 
 @pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
 @pytest.mark.parametrize("normalize", [False, True])
-def test_dare(method, normalize):
+@pytest.mark.parametrize("rescale", [None, True, "density", False])
+def test_dare(method, normalize, rescale):
+  """rescale None = the default, which is mergekit's L1-norm match (True)."""
   base, models = _trees()
   w = [1.0, 0.5, 0.7]
   density = 0.4
   fn = getattr(M, method)
-  out = fn(base, models, density=density, weights=w, normalize=normalize, seed=3)
+  kw = {} if rescale is None else {"rescale": rescale}
+  out = fn(base, models, density=density, weights=w, normalize=normalize, seed=3, **kw)
+  mode = True if rescale is None else rescale
   for k, shape in SHAPES.items():
     masks = _dare_masks(3, k, 3, shape, density)
-    drops = [np.where(mk, m[k] - base[k], 0) / density for mk, m in zip(masks, models)]
+    drops = [np_drop(m[k] - base[k], mk, density, mode) for mk, m in zip(masks, models)]
     ref = np_gta(
       base[k], drops, w, consensus="sum" if method == "dare_ties" else None, normalize=normalize
     )
@@ -138,14 +237,19 @@ def test_dare(method, normalize):
 def test_dare_drop_rate_and_seed():
   base = {"w": np.zeros((200, 100), np.float32)}
   model = {"w": np.ones((200, 100), np.float32)}
-  out = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1)["w"])
+  out = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1, rescale="density")["w"])
   kept = out != 0
   assert abs(kept.mean() - 0.3) < 0.02
   np.testing.assert_allclose(out[kept], 1 / 0.3, rtol=1e-6)
+  # the default (mergekit): survivors scaled so the L1 norm of the delta is kept exactly
+  l1 = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1)["w"])
+  np.testing.assert_array_equal(l1 != 0, kept)
+  np.testing.assert_allclose(l1[kept], kept.size / kept.sum(), rtol=1e-6)
+  np.testing.assert_allclose(np.abs(l1).sum(), kept.size, rtol=1e-5)
   again = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1)["w"])
   other = np.asarray(M.dare_linear(base, [model], density=0.3, seed=2)["w"])
-  np.testing.assert_array_equal(out, again)
-  assert (other != out).any()
+  np.testing.assert_array_equal(l1, again)
+  assert (other != l1).any()
   no_rescale = np.asarray(M.dare_linear(base, [model], density=0.3, seed=1, rescale=False)["w"])
   np.testing.assert_allclose(no_rescale[kept], 1.0)
 
@@ -158,6 +262,15 @@ def test_per_tensor_function_jits_and_keeps_dtype():
   out = M.task_arithmetic(base, models, lambda_=0.5)
   assert out["w"].dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out["w"], np.float32), 1.5)
+
+
+def test_linear_normalized_zero_weight_sum_is_refused():
+  _, models = _trees(n=2)
+  with pytest.raises(ValueError, match="sum to 0"):
+    M.linear(models, [1.0, -1.0])
+  out = M.linear(models, [1.0, -1.0], normalize=False)
+  for k in SHAPES:
+    close(out[k], models[0][k].astype(np.float64) - models[1][k])
 
 
 def test_weights_length_is_checked():

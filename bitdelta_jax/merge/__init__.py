@@ -10,11 +10,7 @@ from bitdelta_jax.merge.baselines import (
   dare_ties,
   linear,
   linear_tensor,
-  magnitude_mask,
-  random_mask,
   sign_mask,
-  sparsify_magnitude,
-  sparsify_random,
   task_arithmetic,
   task_arithmetic_family_tensor,
   tensor_key,
@@ -35,6 +31,13 @@ from bitdelta_jax.merge.opcm import (
   project_task_vector,
 )
 from bitdelta_jax.merge.soups import SvdSoupHook, svd_soup, svd_soup_tensor, truncate_rank
+from bitdelta_jax.merge.sparsify import (
+  magnitude_mask,
+  random_mask,
+  rescale_l1,
+  sparsify_magnitude,
+  sparsify_random,
+)
 
 __all__ = [
   "OPCMState",
@@ -53,6 +56,7 @@ __all__ = [
   "opcm_update",
   "project_task_vector",
   "random_mask",
+  "rescale_l1",
   "sign_mask",
   "sparsify_magnitude",
   "sparsify_random",

@@ -1,15 +1,17 @@
-"""Task-arithmetic-family merges with mergekit's parameter names and defaults.
+"""Task-arithmetic-family merges with mergekit 0.1.5's parameter names, defaults and semantics.
 
 Each method has a per-tensor function (``*_tensor``, jit-able; sizes that shape the computation
 are static) and a tree function over parameter trees (nested dicts of arrays). Semantics follow
-mergekit's ``GeneralizedTaskArithmeticMerge`` (docs/MERGING.md lists every difference):
+mergekit 0.1.5's ``GeneralizedTaskArithmeticMerge.merge_group`` (docs/MERGING.md lists every
+difference):
 
-    τ_i = θ_i − θ_base;  τ_i ← sparsify(τ_i, density_i);  u_i = weight_i · τ_i
+    τ_i = θ_i − θ_base;  τ_i ← sparsify(τ_i, density_i, rescale);  u_i = weight_i · τ_i
     mixed = Σ_i m_i ⊙ u_i;  mixed /= Σ_i m_i ⊙ weight_i  (when normalize; 0 → 1)
     θ = θ_base + lambda · mixed
 
 with m_i = 1 (no consensus) or the TIES sign-agreement mask (consensus "sum": elected sign =
-sign of Σ u_i, ties go to +; "count": sign of Σ sign(u_i)).
+sign of Σ u_i, ties go to +; "count": sign of Σ sign(u_i)). Sparsification and ``rescale``
+(mergekit's L1-norm match by default) are in `bitdelta_jax.merge.sparsify`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from bitdelta_jax.merge.sparsify import (
+  Rescale,
+  check_density,
+  rescale_mode,
+  sparsify_magnitude,
+  sparsify_random,
+)
 
 Tree = Any
 Consensus = Literal["sum", "count"]
@@ -74,37 +84,7 @@ def _f32(x):
   return jnp.asarray(x, jnp.float32)
 
 
-# ---------------------------------------------------------------- sparsification
-
-
-def magnitude_mask(delta: jax.Array, density: float) -> jax.Array:
-  """Keeps the k = int(density · numel) largest |delta| (at least 1); mergekit `magnitude`."""
-  if density >= 1:
-    return jnp.ones(delta.shape, bool)
-  k = max(1, int(density * delta.size))
-  _, idx = jax.lax.top_k(jnp.abs(delta).reshape(-1), k)
-  return jnp.zeros(delta.size, bool).at[idx].set(True).reshape(delta.shape)
-
-
-def random_mask(key: jax.Array, shape, density: float) -> jax.Array:
-  """Keeps each entry independently with probability `density` (DARE's drop step)."""
-  if density >= 1:
-    return jnp.ones(shape, bool)
-  return jax.random.bernoulli(key, density, shape)
-
-
-def sparsify_magnitude(delta: jax.Array, density: float) -> jax.Array:
-  return jnp.where(magnitude_mask(delta, density), delta, 0)
-
-
-def sparsify_random(
-  delta: jax.Array, density: float, key: jax.Array, rescale: bool = True
-) -> jax.Array:
-  """DARE: drop with probability 1 − density, rescale survivors by 1/density."""
-  if density >= 1:
-    return delta
-  kept = jnp.where(random_mask(key, delta.shape, density), delta, 0)
-  return kept / density if rescale else kept
+# ---------------------------------------------------------------- consensus
 
 
 def sign_mask(weighted: jax.Array, method: Consensus = "sum") -> jax.Array:
@@ -146,11 +126,13 @@ def task_arithmetic_family_tensor(
   sparsify: Literal["magnitude", "random"] | None = None,
   consensus: Consensus | None = None,
   normalize: bool = False,
-  rescale: bool = True,
+  rescale: bool | Rescale | None = None,
 ) -> jax.Array:
   """The generalised task-arithmetic merge of one tensor (see the module docstring).
 
-  base ``[...]``; tensors ``[n, ...]`` fine-tuned; weights ``[n]``; key for random drops."""
+  base ``[...]``; tensors ``[n, ...]`` fine-tuned; weights ``[n]``; key for random drops.
+  ``rescale`` (True/"l1": mergekit's L1-norm match; "density": 1/density, DARE only) acts on
+  the sparsified task vectors; without ``sparsify`` there is nothing to rescale."""
   b = _f32(base)
   deltas = _f32(tensors) - b[None]
   n = deltas.shape[0]
@@ -159,7 +141,7 @@ def task_arithmetic_family_tensor(
     rows = []
     for i in range(n):
       if sparsify == "magnitude":
-        rows.append(sparsify_magnitude(deltas[i], dens[i]))
+        rows.append(sparsify_magnitude(deltas[i], dens[i], rescale))
       else:
         rows.append(sparsify_random(deltas[i], dens[i], jax.random.fold_in(key, i), rescale))
     deltas = jnp.stack(rows)
@@ -193,10 +175,27 @@ def _cast_like(out, ref):
 def linear(
   models: Sequence[Tree], weights: Sequence[float] | None = None, normalize: bool = True
 ) -> Tree:
-  """Model soup (mergekit ``linear``): weighted average of the models, base not involved."""
-  w = jnp.asarray(_weights(weights, len(models)), jnp.float32)
+  """Model soup (mergekit ``linear``): weighted average of the models, base not involved.
+
+  With ``normalize``, weights that sum to 0 are refused (mergekit would divide by zero)."""
+  ws = _weights(weights, len(models))
+  check_linear_weights(ws, normalize)
+  w = jnp.asarray(ws, jnp.float32)
   return jax.tree.map(
     lambda *xs: _cast_like(linear_tensor(_stack(*xs), w, normalize), xs[0]), *models
+  )
+
+
+def check_linear_weights(weights: Sequence[float], normalize: bool) -> None:
+  """Raises ValueError when a normalised linear merge would divide by a zero weight sum."""
+  if normalize and abs(sum(weights)) < 1e-8:
+    raise ValueError(f"weights {list(weights)} sum to 0; a normalised linear merge divides by it")
+
+
+def densities(density, n: int) -> tuple[float, ...]:
+  """One checked density per model (a scalar or None broadcasts; None means 1)."""
+  return tuple(
+    1.0 if d is None else check_density(d, "density") for d in per_model(density, n, "density")
   )
 
 
@@ -217,9 +216,10 @@ def _gta(
   if n == 0:
     raise ValueError("need at least one fine-tuned model")
   w = jnp.asarray(_weights(weights, n), jnp.float32)
-  dens = None
-  if sparsify is not None:
-    dens = tuple(1.0 if d is None else float(d) for d in per_model(density, n, "density"))
+  dens = densities(density, n) if sparsify is not None else None
+  mode = rescale_mode(rescale)
+  if mode == "density" and sparsify != "random":
+    raise ValueError("rescale='density' (1/density) applies to DARE only; use True (l1)")
 
   def one(name, b, *xs):
     if not jnp.issubdtype(b.dtype, jnp.floating):
@@ -235,7 +235,7 @@ def _gta(
       sparsify=sparsify,
       consensus=consensus,
       normalize=normalize,
-      rescale=rescale,
+      rescale=mode,
     )
     return out.astype(b.dtype)
 
@@ -257,7 +257,7 @@ def task_arithmetic(
     density=None,
     lambda_=lambda_,
     normalize=normalize,
-    rescale=False,
+    rescale=None,
     sparsify=None,
     consensus=None,
     seed=0,
@@ -272,9 +272,11 @@ def ties(
   lambda_: float = 1.0,
   normalize: bool = True,
   consensus: Consensus = "sum",
+  rescale: bool = False,
 ) -> Tree:
   """TIES: trim each τ_i to its top-`density` magnitudes, elect the sign by summed mass, take
-  the disjoint (weighted) mean of the agreeing entries (mergekit ``ties``)."""
+  the disjoint (weighted) mean of the agreeing entries (mergekit ``ties``). ``rescale`` (off
+  by default, as in mergekit) scales each trimmed τ_i back to its untrimmed L1 norm."""
   return _gta(
     base,
     models,
@@ -282,7 +284,7 @@ def ties(
     density=density,
     lambda_=lambda_,
     normalize=normalize,
-    rescale=False,
+    rescale=rescale,
     sparsify="magnitude",
     consensus=consensus,
     seed=0,
@@ -296,11 +298,14 @@ def dare_linear(
   weights: Sequence[float] | None = None,
   lambda_: float = 1.0,
   normalize: bool = False,
-  rescale: bool = True,
+  rescale: bool | Rescale = True,
   seed: int = 0,
 ) -> Tree:
-  """DARE + task arithmetic: drop entries of τ_i with probability 1 − density, rescale by
-  1/density, weighted sum (mergekit ``dare_linear``). Seeded per tensor name and model."""
+  """DARE + task arithmetic (mergekit ``dare_linear``): drop entries of τ_i with probability
+  1 − density, rescale the survivors, weighted sum. Seeded per tensor name and model.
+
+  ``rescale``: True/"l1" (default, mergekit) scales each dropped τ_i back to its L1 norm;
+  "density" divides by density (the DARE paper); False keeps the survivors as they are."""
   return _gta(
     base,
     models,
@@ -322,11 +327,12 @@ def dare_ties(
   weights: Sequence[float] | None = None,
   lambda_: float = 1.0,
   normalize: bool = False,
-  rescale: bool = True,
+  rescale: bool | Rescale = True,
   seed: int = 0,
   consensus: Consensus = "sum",
 ) -> Tree:
-  """DARE drop-and-rescale, then TIES sign election (mergekit ``dare_ties``)."""
+  """DARE drop-and-rescale (``rescale`` as in `dare_linear`), then TIES sign election
+  (mergekit ``dare_ties``)."""
   return _gta(
     base,
     models,

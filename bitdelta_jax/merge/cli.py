@@ -26,6 +26,8 @@ from bitdelta_jax.hf.safetensors_io import (
   SafetensorsWriter,
 )
 from bitdelta_jax.merge.baselines import (
+  check_linear_weights,
+  densities,
   linear_tensor,
   per_model,
   task_arithmetic_family_tensor,
@@ -45,13 +47,43 @@ METHODS = (
   "svd-soup",
   "opcm",
 )
-# mergekit defaults: (sparsify, consensus, default normalize, default rescale)
+# mergekit 0.1.5 registry.py: (sparsify, consensus, default normalize, default rescale)
 _GTA = {
   "task-arithmetic": (None, None, False, False),
   "ties": ("magnitude", "sum", True, False),
   "dare-linear": ("random", None, False, True),
   "dare-ties": ("random", "sum", False, True),
 }
+# The options each method reads; any other option given is refused rather than ignored.
+_OPTIONS = {
+  "linear": ("weights", "normalize"),
+  "task-arithmetic": ("weights", "lambda_", "normalize"),
+  "ties": ("weights", "density", "lambda_", "normalize", "rescale", "consensus"),
+  "dare-linear": ("weights", "density", "lambda_", "normalize", "rescale", "rescale_mode", "seed"),
+  "dare-ties": (
+    "weights",
+    "density",
+    "lambda_",
+    "normalize",
+    "rescale",
+    "rescale_mode",
+    "seed",
+    "consensus",
+  ),
+  "monosoup": ("mode", "energy"),
+  "svd-soup": ("rank",),
+  "opcm": ("alpha",),
+}
+_DEFAULTS = {
+  "lambda_": 1.0,
+  "consensus": "sum",
+  "rescale_mode": "l1",
+  "seed": 0,
+  "mode": "freevariance",
+  "energy": 0.8,
+  "alpha": 0.5,
+}
+_FLAGS = {"lambda_": "--lambda", "rescale_mode": "--rescale-mode"}
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
 MERGE_INFO = "bitdelta_merge.json"
 
@@ -61,8 +93,8 @@ def add_merge_parser(subparsers) -> argparse.ArgumentParser:
   p = subparsers.add_parser(
     "merge",
     help="merge fine-tuned HF checkpoints (streaming, tensor by tensor)",
-    description="Merge HF safetensors checkpoints. Parameter names follow mergekit; see "
-    "docs/MERGING.md.",
+    description="Merge HF safetensors checkpoints. Parameter names and defaults follow "
+    "mergekit 0.1.5; see docs/MERGING.md. An option that the method does not use is refused.",
   )
   p.add_argument(
     "method",
@@ -77,15 +109,15 @@ def add_merge_parser(subparsers) -> argparse.ArgumentParser:
     "--density",
     nargs="+",
     type=float,
-    help="fraction kept (ties/dare); one value or one per model (default 1)",
+    help="fraction of each task vector kept (ties/dare; >= 0, 0 keeps nothing = the base); "
+    "one value or one per model (default 1)",
   )
   p.add_argument(
     "--lambda",
     dest="lambda_",
     metavar="LAMBDA",
     type=float,
-    default=1.0,
-    help="scale of the mixed task vector (task arithmetic family)",
+    help="scale of the mixed task vector (task arithmetic family; default 1)",
   )
   p.add_argument(
     "--normalize",
@@ -97,22 +129,34 @@ def add_merge_parser(subparsers) -> argparse.ArgumentParser:
     "--rescale",
     action=argparse.BooleanOptionalAction,
     default=None,
-    help="DARE: rescale kept entries by 1/density (default on)",
+    help="ties/dare: scale each sparsified task vector back to its unpruned L1 norm, as "
+    "mergekit's rescale (default: on for dare, off for ties)",
   )
-  p.add_argument("--consensus", choices=("sum", "count"), default="sum", help="TIES sign election")
-  p.add_argument("--seed", type=int, default=0, help="DARE drop seed")
+  p.add_argument(
+    "--rescale-mode",
+    choices=("l1", "density"),
+    help="dare: how --rescale rescales: l1 (mergekit, default) or density (divide by density, "
+    "the DARE paper)",
+  )
+  p.add_argument(
+    "--consensus", choices=("sum", "count"), help="TIES sign election (default sum, mergekit's)"
+  )
+  p.add_argument("--seed", type=int, help="DARE drop seed (default 0)")
   p.add_argument("--rank", type=int, help="svd-soup truncation rank")
   p.add_argument(
     "--mode",
     choices=("freevariance", "variance"),
-    default="freevariance",
-    help="monosoup split rule",
+    help="monosoup split rule (default freevariance)",
   )
-  p.add_argument("--energy", type=float, default=0.8, help="monosoup 'variance' energy")
-  p.add_argument("--alpha", type=float, default=0.5, help="opcm projection split threshold")
+  p.add_argument("--energy", type=float, help="monosoup 'variance' energy (default 0.8)")
+  p.add_argument("--alpha", type=float, help="opcm projection split threshold (default 0.5)")
   p.add_argument("--dtype", choices=tuple(_DTYPES), help="output float dtype (default: base's)")
   p.add_argument("--out", required=True, help="output checkpoint dir")
-  p.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace --out if it is a checkpoint that bitdelta wrote (anything else is refused)",
+  )
   p.set_defaults(func=run_merge)
   return p
 
@@ -121,11 +165,29 @@ def _is_float(dtype) -> bool:
   return np.issubdtype(dtype, np.floating) or dtype == np.dtype(jnp.bfloat16)
 
 
+def _flag(attr: str) -> str:
+  return _FLAGS.get(attr, "--" + attr.replace("_", "-"))
+
+
 def _validate(method: str, args) -> None:
+  """Checks the arguments, refuses options the method does not use, fills in defaults."""
   for attr in ("weights", "density"):  # one value applies to every model
     v = getattr(args, attr)
     if v is not None and len(v) == 1:
       setattr(args, attr, v[0])
+  used = _OPTIONS[method]
+  for attr in ("weights", "density", "rescale", *_DEFAULTS, "rank"):
+    if getattr(args, attr, None) is not None and attr not in used:
+      users = [m for m, opts in _OPTIONS.items() if attr in opts]
+      raise SystemExit(
+        f"bitdelta merge {method}: {_flag(attr)} does not apply to {method} "
+        f"(it applies to {', '.join(users)})"
+      )
+  if args.rescale is False and args.rescale_mode is not None:
+    raise SystemExit(f"bitdelta merge {method}: --rescale-mode contradicts --no-rescale")
+  for attr, default in _DEFAULTS.items():
+    if getattr(args, attr) is None and attr in used:
+      setattr(args, attr, default)
   if method != "linear" and not args.base:
     raise SystemExit(f"bitdelta merge {method}: --base is required")
   if method == "monosoup" and len(args.models) != 1:
@@ -134,10 +196,20 @@ def _validate(method: str, args) -> None:
     raise SystemExit("bitdelta merge svd-soup: --rank N (>= 1) is required")
   n = len(args.models)
   try:
-    per_model(args.weights, n, "--weights")
-    per_model(args.density, n, "--density")
+    ws = [1.0 if x is None else x for x in per_model(args.weights, n, "--weights")]
+    if method == "linear":
+      check_linear_weights(ws, True if args.normalize is None else args.normalize)
+    densities(args.density, n)
   except ValueError as e:
     raise SystemExit(f"bitdelta merge {method}: {e}") from None
+
+
+def _rescale(method: str, args):
+  """The rescale mode of a task-arithmetic-family method: None, "l1" or "density"."""
+  on = _GTA[method][3] if args.rescale is None else args.rescale
+  if not on or _GTA[method][0] is None:
+    return None
+  return args.rescale_mode or "l1"
 
 
 def _tensor_fn(method: str, args) -> Callable:
@@ -148,12 +220,10 @@ def _tensor_fn(method: str, args) -> Callable:
     normalize = True if args.normalize is None else args.normalize
     return lambda name, b, xs: linear_tensor(jnp.stack(xs), w, normalize)
   if method in _GTA:
-    sparsify, consensus, dnorm, drescale = _GTA[method]
+    sparsify, consensus, dnorm, _ = _GTA[method]
     normalize = dnorm if args.normalize is None else args.normalize
-    rescale = drescale if args.rescale is None else args.rescale
-    dens = None
-    if sparsify is not None:
-      dens = tuple(1.0 if d is None else float(d) for d in per_model(args.density, n, "d"))
+    rescale = _rescale(method, args)
+    dens = densities(args.density, n) if sparsify is not None else None
     cons = args.consensus if consensus else None
 
     def gta(name, b, xs):
@@ -308,6 +378,9 @@ def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) ->
     for f in base_dir.iterdir():
       if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, MERGE_INFO):
         shutil.copy2(f, tmp / f.name)
+  normalize = args.normalize
+  if normalize is None and method in ("linear", *_GTA):
+    normalize = True if method == "linear" else _GTA[method][2]
   info = {
     "method": method,
     "base": args.base,
@@ -315,8 +388,8 @@ def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) ->
     "weights": args.weights,
     "density": args.density,
     "lambda": args.lambda_,
-    "normalize": args.normalize,
-    "rescale": args.rescale,
+    "normalize": normalize,
+    "rescale": _rescale(method, args) if method in _GTA else None,
     "consensus": args.consensus,
     "seed": args.seed,
     "rank": args.rank,
