@@ -2,9 +2,11 @@
 logits match the fine-tuned model's on calibration text.
 
 Everything but the scales is frozen: the trainable pytree holds one α per packed matrix (shape
-[1] per-matrix or [N] per-column) and nothing else. The student is the base model with the
-variant in slot 1 of its banks (it reuses the base's arrays); the teacher is the fine-tuned
-model. Two models in memory, never three.
+[1] per-matrix or [N] per-column) and nothing else. The student (`build_student`) is the
+fine-tuned model with its linear weights replaced by the base's and the 1-bit deltas in slot 1
+of its banks: everything the delta keeps exactly (changed embeddings, LM head, norms, biases,
+a grown vocabulary) is taken from the fine-tune and frozen, as in the paper, and only α trains.
+The teacher is the fine-tuned model. Two models in memory, never three.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import jax
@@ -22,10 +24,13 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from bitdelta_jax.delta.compress import DeltaMismatchError
 from bitdelta_jax.delta.format import PackedDelta
 from bitdelta_jax.delta.store import load_delta, update_scales
+from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.layers import SlotBank
+from bitdelta_jax.models.loading import from_tensors, load_config
 from bitdelta_jax.models.slots import load_variant
 
 SLOT = 1
@@ -72,7 +77,8 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
             if isinstance(e, PackedDelta)}
   missing = sorted(set(alphas) - set(where))
   if missing:
-    raise ValueError(f"the model has no delta bank for {missing[:3]}")
+    raise ValueError(f"the delta has 1-bit tensors that are not linear layers of this model: "
+                     f"{missing[:3]}")
   by_path = {where[n]: n for n in alphas}
 
   def with_alphas(a):
@@ -135,6 +141,40 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
   return {n: np.asarray(a) for n, a in best.items()}, curve
 
 
+class _StudentTensors(Mapping):
+  """HF tensors of the student: the base's for 1-bit (packed) weights, else the fine-tune's."""
+
+  def __init__(self, base: CheckpointReader, ft: CheckpointReader, packed: set[str]):
+    self.base, self.ft, self.packed = base, ft, packed
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return (self.base if name in self.packed else self.ft).read(name)
+
+  def __iter__(self):
+    return iter(self.ft.names())
+
+  def __len__(self) -> int:
+    return len(self.ft.names())
+
+
+def build_student(base_dir, ft_dir, delta: Mapping, *, dtype=jnp.float32):
+  """The model whose slot ``SLOT`` is base + α·sign(Δ) on the linear layers, with every other
+  tensor (embeddings, LM head, norms, biases; a grown vocabulary too) as in the fine-tune."""
+  packed = {n for n, e in delta.items() if isinstance(e, PackedDelta)}
+  with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
+    for n in sorted(packed):
+      if n not in base or n not in ft:
+        raise DeltaMismatchError(f"1-bit tensor {n!r} of the delta is missing from "
+                                 f"{base_dir if n not in base else ft_dir}")
+      if base.info(n).shape != ft.info(n).shape:
+        raise DeltaMismatchError(f"tensor {n!r} has shape {list(base.info(n).shape)} in "
+                                 f"{base_dir} but {list(ft.info(n).shape)} in {ft_dir}")
+    cfg = load_config(ft_dir, num_slots=SLOT + 1)
+    student = from_tensors(cfg, _StudentTensors(base, ft, packed), dtype)
+  load_variant(student, SLOT, {n: delta[n] for n in packed})
+  return student
+
+
 def token_windows(ids: np.ndarray, cfg: DistillConfig) -> Iterator[np.ndarray]:
   """Endless random ``[batch, seq]`` windows of a token stream."""
   if len(ids) <= cfg.seq:
@@ -152,7 +192,7 @@ def read_calibration(path: str | Path, tokenizer_dir: str | Path) -> np.ndarray:
   path = Path(path)
   tok_file = Path(tokenizer_dir) / "tokenizer.json"
   if not tok_file.exists():
-    raise FileNotFoundError(f"{tok_file}: the base has no tokenizer.json to encode calibration text")
+    raise FileNotFoundError(f"{tok_file}: no tokenizer.json to encode calibration text")
   tok = Tokenizer.from_file(str(tok_file))
   texts = []
   if path.suffix == ".jsonl":
@@ -183,9 +223,17 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   cfg = cfg or DistillConfig()
   if steps is not None:
     cfg = dataclasses.replace(cfg, steps=steps)
-  delta, manifest = load_delta(delta_dir)
+  if cfg.steps < 0 or cfg.seq < 1 or cfg.batch < 1 or not cfg.lr > 0:
+    raise ValueError(f"distill: steps must be >= 0, seq and batch >= 1 and lr > 0; got "
+                     f"steps={cfg.steps}, seq={cfg.seq}, batch={cfg.batch}, lr={cfg.lr}")
+  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+
+  delta, manifest = load_delta(
+    delta_dir, base_fingerprint=fingerprint_checkpoint(base_dir, content=False))
   if isinstance(calibration, (str, Path)):
-    ids, source = read_calibration(calibration, base_dir), str(calibration)
+    # The fine-tune's own tokenizer when it has one (it may have grown the vocabulary).
+    tok_dir = ft_dir if (Path(ft_dir) / "tokenizer.json").exists() else base_dir
+    ids, source = read_calibration(calibration, tok_dir), Path(calibration).name
   elif isinstance(calibration, np.ndarray):
     ids, source = calibration, "token array"
   else:
@@ -193,8 +241,7 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
 
     ids = np.concatenate([encode_example(p, a)[0] for p, a in calibration])
     source = f"{len(calibration)} task examples"
-  student = from_pretrained(base_dir, dtype=jnp.float32, num_slots=2)
-  load_variant(student, SLOT, delta)
+  student = build_student(base_dir, ft_dir, delta)
   teacher = from_pretrained(ft_dir, dtype=jnp.float32)
   t = time.perf_counter()
   scales, curve = distill(student, teacher, delta, token_windows(ids, cfg), cfg,
@@ -214,23 +261,35 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
 
 
 def add_distill_parser(sub) -> None:
-  p = sub.add_parser("distill", help="distil a delta's scales against its fine-tune (optax)")
-  p.add_argument("--base", required=True)
-  p.add_argument("--finetuned", required=True)
-  p.add_argument("--delta", required=True, help="delta directory (updated in place, atomically)")
-  p.add_argument("--calibration", required=True, help="text or jsonl file")
-  p.add_argument("--steps", type=int, default=DistillConfig.steps)
-  p.add_argument("--lr", type=float, default=DistillConfig.lr)
-  p.add_argument("--seq", type=int, default=DistillConfig.seq)
-  p.add_argument("--batch", type=int, default=DistillConfig.batch)
-  p.add_argument("--quiet", action="store_true")
+  p = sub.add_parser(
+    "distill", help="distil a delta's scales against its fine-tune (optax)",
+    description="Train only the scales α of a delta so that base + α·sign(Δ) matches the "
+    "fine-tune's logits on calibration text (BitDelta §3.2). Tensors the delta keeps exactly "
+    "(embeddings, LM head, norms) are taken from the fine-tune and not trained.")
+  p.add_argument("--base", required=True, metavar="DIR",
+                 help="HF base checkpoint directory the delta was made for")
+  p.add_argument("--finetuned", required=True, metavar="DIR",
+                 help="HF fine-tuned checkpoint directory (the teacher)")
+  p.add_argument("--delta", required=True, metavar="DIR",
+                 help="delta directory (its scales are replaced, atomically)")
+  p.add_argument("--calibration", required=True, metavar="FILE",
+                 help='text file, or jsonl with a "text" (or "prompt"/"completion") field')
+  p.add_argument("--steps", type=int, default=DistillConfig.steps,
+                 help="optimizer steps (default: %(default)s)")
+  p.add_argument("--lr", type=float, default=DistillConfig.lr,
+                 help="AdamW learning rate (default: %(default)s)")
+  p.add_argument("--seq", type=int, default=DistillConfig.seq,
+                 help="tokens per calibration window (default: %(default)s)")
+  p.add_argument("--batch", type=int, default=DistillConfig.batch,
+                 help="windows per step (default: %(default)s)")
+  p.add_argument("--quiet", action="store_true", help="print nothing but errors")
 
   def run(args) -> int:
     cfg = DistillConfig(steps=args.steps, lr=args.lr, seq=args.seq, batch=args.batch)
     info = distill_checkpoint(args.base, args.finetuned, args.delta, args.calibration, cfg,
                               progress=not args.quiet)
-    print(json.dumps(info, indent=1))
+    if not args.quiet:
+      print(json.dumps(info, indent=1))
     return 0
 
   p.set_defaults(fn=run)
-
