@@ -10,6 +10,7 @@ import pytest
 from bitdelta_jax import merge as M
 from bitdelta_jax.hf.safetensors_io import INDEX_FILE, CheckpointReader, save_file, save_sharded
 from bitdelta_jax.merge.cli import add_merge_parser
+from bitdelta_jax.outputs import OutputError
 
 RNG = np.random.default_rng(4)
 SHAPES = {
@@ -104,7 +105,7 @@ def test_method_matches_tree_function(ckpts, tmp_path, method):
   )
   assert (out / "config.json").exists() and (out / "tokenizer.json").exists()
   assert json.loads((out / "bitdelta_merge.json").read_text())["method"] == method.replace("_", "-")
-  assert not list(tmp_path.glob(".out.*"))
+  assert not list(tmp_path.glob(".out.*")) and not list(tmp_path.glob(".bitdelta-*"))
 
 
 def test_monosoup_and_dtype(ckpts, tmp_path):
@@ -136,14 +137,47 @@ def test_monosoup_and_dtype(ckpts, tmp_path):
 def test_refuses_existing_out_unless_overwrite(ckpts, tmp_path):
   root, _, _ = ckpts
   out = tmp_path / "o"
-  out.mkdir()
-  (out / "keep").write_text("x")
   argv = ["linear", "--models", str(root / "m0"), str(root / "m1"), "--out", str(out)]
-  with pytest.raises(SystemExit, match="exists"):
+  run(*argv, "--weights", "1", "3")
+  first = read(out)
+  with pytest.raises(OutputError, match="exists"):
     run(*argv)
-  assert (out / "keep").exists()
-  run(*argv, "--overwrite")
-  assert not (out / "keep").exists() and (out / "model.safetensors").exists()
+  np.testing.assert_array_equal(read(out)["model.norm.weight"], first["model.norm.weight"])
+  run(*argv, "--overwrite")  # our own earlier output is replaced
+  assert not np.array_equal(read(out)["model.norm.weight"], first["model.norm.weight"])
+  assert not list(tmp_path.glob(".bitdelta-*"))
+
+
+def test_overwrite_never_replaces_what_is_not_a_merge_output(ckpts, tmp_path):
+  """A regular file, a directory of unrelated files, and a user's own checkpoint (config.json +
+  safetensors, no bitdelta marker) are refused with --overwrite and left as they were."""
+  root, _, _ = ckpts
+  victim = tmp_path / "victim.txt"
+  victim.write_text("precious")
+  unrelated = tmp_path / "somedir"
+  unrelated.mkdir()
+  (unrelated / "notes.md").write_text("mine")
+  for target in (victim, unrelated, root / "m2"):
+    before = sorted(p.name for p in target.parent.iterdir())
+    argv = ["linear", "--models", str(root / "m0"), str(root / "m1"), "--out", str(target)]
+    with pytest.raises(OutputError, match="refusing"):
+      run(*argv, "--overwrite")
+    assert sorted(p.name for p in target.parent.iterdir()) == before
+  assert victim.read_text() == "precious"
+  assert [p.name for p in unrelated.iterdir()] == ["notes.md"]
+  assert (root / "m2" / "model.safetensors").exists()
+
+
+def test_cli_exit_code_2_for_a_regular_file(ckpts, tmp_path, capsys):
+  from bitdelta_jax.cli import main
+
+  root, _, _ = ckpts
+  victim = tmp_path / "a_regular_file"
+  victim.write_bytes(b"\x00data")
+  argv = ["merge", "linear", "--models", str(root / "m0"), str(root / "m1")]
+  assert main([*argv, "--out", str(victim), "--overwrite"]) == 2
+  assert victim.read_bytes() == b"\x00data"
+  assert "regular file" in capsys.readouterr().err
 
 
 def test_bad_arguments(ckpts, tmp_path):
@@ -175,3 +209,89 @@ def test_failure_leaves_no_output(ckpts, tmp_path):
       str(tmp_path / "o"),
     )
   assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.*"))
+  assert not list(tmp_path.glob(".bitdelta-*"))
+
+
+def _merge(root, method, out, *extra):
+  models = [str(root / f"m{i}") for i in range(3)]
+  run(method, "--base", str(root / "base"), "--models", *models, *extra, "--out", str(out))
+  return read(out)
+
+
+@pytest.mark.parametrize("method", ["ties", "dare-linear", "dare-ties"])
+@pytest.mark.parametrize("extra", [[], ["--normalize"], ["--rescale"], ["--no-rescale"]])
+def test_density_zero_writes_the_base(ckpts, tmp_path, method, extra):
+  root, base, _ = ckpts
+  got = _merge(root, method, tmp_path / "z", "--density", "0", *extra)
+  for k in SHAPES:
+    assert np.isfinite(got[k]).all()
+    np.testing.assert_array_equal(got[k], base[k], err_msg=k)
+
+
+@pytest.mark.parametrize(
+  "method,extra,tree_fn",
+  [
+    (
+      "ties",
+      ["--density", "0.3", "--rescale"],
+      lambda b, ms: M.ties(b, ms, density=0.3, rescale=True),
+    ),
+    (
+      "dare-linear",
+      ["--density", "0.5", "--rescale-mode", "density", "--seed", "2"],
+      lambda b, ms: M.dare_linear(b, ms, density=0.5, rescale="density", seed=2),
+    ),
+    (
+      "dare-ties",
+      ["--density", "0.5", "--no-rescale"],
+      lambda b, ms: M.dare_ties(b, ms, density=0.5, rescale=False),
+    ),
+  ],
+)
+def test_rescale_options_match_the_tree_function(ckpts, tmp_path, method, extra, tree_fn):
+  root, base, models = ckpts
+  got = _merge(root, method, tmp_path / "r", *extra)
+  ref = tree_fn(floats(base), [floats(m) for m in models])
+  for k in SHAPES:
+    np.testing.assert_allclose(got[k], np.asarray(ref[k]), atol=2e-5, err_msg=k)
+  info = json.loads((tmp_path / "r" / "bitdelta_merge.json").read_text())
+  assert info["rescale"] == {"ties": "l1", "dare-linear": "density", "dare-ties": None}[method]
+
+
+def test_dare_default_rescale_is_mergekit_l1(ckpts, tmp_path):
+  root, base, models = ckpts
+  got = _merge(root, "dare-linear", tmp_path / "d", "--density", "0.5")
+  ref = M.dare_linear(floats(base), [floats(m) for m in models], density=0.5, rescale=True)
+  by_density = M.dare_linear(
+    floats(base), [floats(m) for m in models], density=0.5, rescale="density"
+  )
+  for k in SHAPES:
+    np.testing.assert_allclose(got[k], np.asarray(ref[k]), atol=2e-5, err_msg=k)
+  assert any(not np.allclose(got[k], np.asarray(by_density[k]), atol=2e-5) for k in SHAPES)
+  info = json.loads((tmp_path / "d" / "bitdelta_merge.json").read_text())
+  assert info["rescale"] == "l1" and info["normalize"] is False
+
+
+@pytest.mark.parametrize(
+  "method,extra,match",
+  [
+    ("task-arithmetic", ["--rescale"], "--rescale does not apply"),
+    ("linear", ["--no-rescale"], "--rescale does not apply"),
+    ("ties", ["--rescale-mode", "density"], "--rescale-mode does not apply"),
+    ("task-arithmetic", ["--density", "0.5"], "--density does not apply"),
+    ("ties", ["--seed", "1"], "--seed does not apply"),
+    ("dare-linear", ["--consensus", "count"], "--consensus does not apply"),
+    ("opcm", ["--lambda", "0.5"], "--lambda does not apply"),
+    ("dare-linear", ["--no-rescale", "--rescale-mode", "density"], "contradicts"),
+    ("ties", ["--density", "-0.1"], "density must be >= 0"),
+    ("dare-ties", ["--density", "0.5", "nan", "0.5"], "density must be >= 0"),
+    ("linear", ["--weights", "1", "-1", "0"], "sum to 0"),
+  ],
+)
+def test_options_that_would_be_ignored_or_are_invalid_are_refused(
+  ckpts, tmp_path, method, extra, match
+):
+  root, _, _ = ckpts
+  with pytest.raises(SystemExit, match=match):
+    _merge(root, method, tmp_path / "x", *extra)
+  assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".bitdelta-*"))

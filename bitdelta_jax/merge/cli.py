@@ -1,8 +1,9 @@
 """``bitdelta merge <method>``: merge HF safetensors checkpoints tensor by tensor.
 
 Only one tensor (times the number of models) is in memory at a time; the output keeps the base's
-shard layout and index, takes config.json / tokenizer files from the base, is written into a
-temporary sibling directory and renamed into place. OPCM needs the global norm of its merged
+shard layout and index, takes config.json / tokenizer files from the base, and is written
+through `bitdelta_jax.outputs.OutputDir` (kind "checkpoint"): into a temporary sibling directory
+swapped into place, and never over anything but a checkpoint that bitdelta wrote. OPCM needs the global norm of its merged
 update, so it runs two passes: the unnormalised update S goes to a float32 scratch file first.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from collections.abc import Callable
@@ -36,6 +36,7 @@ from bitdelta_jax.merge.baselines import (
 from bitdelta_jax.merge.monosoup import monosoup_tensor
 from bitdelta_jax.merge.opcm import default_projects, project_task_vector
 from bitdelta_jax.merge.soups import svd_soup_tensor
+from bitdelta_jax.outputs import MARKER, OutputDir
 
 METHODS = (
   "linear",
@@ -86,6 +87,7 @@ _DEFAULTS = {
 _FLAGS = {"lambda_": "--lambda", "rescale_mode": "--rescale-mode"}
 _DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": jnp.bfloat16}
 MERGE_INFO = "bitdelta_merge.json"
+_NOT_COPIED = (INDEX_FILE, MERGE_INFO, MARKER)
 
 
 def add_merge_parser(subparsers) -> argparse.ArgumentParser:
@@ -276,54 +278,47 @@ def run_merge(args) -> int:
   method = args.method.replace("_", "-")
   _validate(method, args)
   out = Path(args.out)
-  if out.exists() and not args.overwrite:
-    raise SystemExit(f"bitdelta merge: {out} exists (pass --overwrite to replace it)")
-  base_dir = Path(args.base or args.models[0])
-  base = CheckpointReader(base_dir)
-  models = [CheckpointReader(m) for m in args.models]
-  tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-  if tmp.exists():
-    shutil.rmtree(tmp)
-  tmp.mkdir(parents=True)
-  try:
-    layout = _layout(base)
-    out_dtype = {}
-    for name in base.names():
-      dt = base.info(name).dtype
-      out_dtype[name] = np.dtype(_DTYPES[args.dtype]) if args.dtype and _is_float(dt) else dt
-    if method == "opcm":
-      _run_opcm(base, models, layout, out_dtype, tmp, args.alpha)
-    else:
-      fn = _tensor_fn(method, args)
-      for fname, names in layout.items():
-        specs = {n: (base.info(n).shape, out_dtype[n]) for n in names}
-        with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as writer:
-          for name in names:
-            b = base.read(name, copy=False)
-            xs = _read_all(models, name, b.shape)
-            if _is_float(b.dtype):
-              merged = np.asarray(fn(name, jnp.asarray(b), [jnp.asarray(x) for x in xs]))
-            else:  # integer buffers are not merged
-              merged = b if args.base else xs[0]
-            writer.write(name, merged.astype(out_dtype[name]))
-    _finish(base_dir, tmp, layout, base, out_dtype, method, args)
-    for r in (base, *models):
-      r.close()
-    if out.exists():
-      old = out.with_name(f".{out.name}.old-{os.getpid()}")
-      out.rename(old)
-      tmp.rename(out)
-      shutil.rmtree(old)
-    else:
-      tmp.rename(out)
-  except BaseException:
-    shutil.rmtree(tmp, ignore_errors=True)
-    raise
+  # Refuses (OutputError, a ValueError: exit 2) anything at --out but a checkpoint bitdelta
+  # wrote, before any input is read; the result is written beside and swapped in.
+  with OutputDir(out, kind="checkpoint", overwrite=args.overwrite) as target:
+    tmp = target.tmp
+    base_dir = Path(args.base or args.models[0])
+    base = CheckpointReader(base_dir)
+    models = [CheckpointReader(m) for m in args.models]
+    try:
+      layout = _layout(base)
+      out_dtype = {}
+      for name in base.names():
+        dt = base.info(name).dtype
+        out_dtype[name] = np.dtype(_DTYPES[args.dtype]) if args.dtype and _is_float(dt) else dt
+      if method == "opcm":
+        _run_opcm(base, models, layout, out_dtype, tmp, args.alpha)
+      else:
+        _run_tensorwise(_tensor_fn(method, args), base, models, layout, out_dtype, tmp, args)
+      _finish(base_dir, tmp, layout, base, out_dtype, method, args)
+    finally:
+      for r in (base, *models):
+        r.close()
+    target.commit()
   n = sum(len(v) for v in layout.values())
   print(
     f"bitdelta merge {method}: {n} tensors from {len(models)} model(s) -> {out}", file=sys.stderr
   )
   return 0
+
+
+def _run_tensorwise(fn, base, models, layout, out_dtype, tmp: Path, args) -> None:
+  for fname, names in layout.items():
+    specs = {n: (base.info(n).shape, out_dtype[n]) for n in names}
+    with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as writer:
+      for name in names:
+        b = base.read(name, copy=False)
+        xs = _read_all(models, name, b.shape)
+        if _is_float(b.dtype):
+          merged = np.asarray(fn(name, jnp.asarray(b), [jnp.asarray(x) for x in xs]))
+        else:  # integer buffers are not merged
+          merged = b if args.base else xs[0]
+        writer.write(name, merged.astype(out_dtype[name]))
 
 
 def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
@@ -376,7 +371,7 @@ def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) ->
     )
   if base_dir.is_dir():
     for f in base_dir.iterdir():
-      if f.is_file() and f.suffix != ".safetensors" and f.name not in (INDEX_FILE, MERGE_INFO):
+      if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
         shutil.copy2(f, tmp / f.name)
   normalize = args.normalize
   if normalize is None and method in ("linear", *_GTA):
