@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import jax
@@ -62,6 +62,35 @@ def _scale_leaves(banks) -> dict[str, tuple[str, ...]]:
       i = k.index("delta_scale")
       out[".".join(k[:i]) + ".weight"] = k
   return out
+
+
+def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable]:
+  """The α of one variant slot as a differentiable pytree, and a pure ``α → model`` function.
+
+  Returns ``(scales, with_scales)``: ``scales`` is ``{HF weight name: f32 [N]}`` (one α per
+  output column; a per-matrix α appears broadcast), ``with_scales(scales)`` returns a copy of
+  ``model`` whose slot ``slot`` uses them. Everything else is closed over as a constant, so
+  ``jax.grad`` of a loss of ``with_scales(scales)(tokens, slot_ids=...)`` is the gradient with
+  respect to that variant's scales alone; it works under `jax.jit`.
+  """
+  if not 0 < int(slot) < model.config.num_slots:
+    raise ValueError(f"slot must be in [1, {model.config.num_slots}) (slot 0 is the base), "
+                     f"got {slot}")
+  graphdef, params, banks, rest = nnx.split(model, nnx.Param, SlotBank, ...)
+  where = _scale_leaves(banks)
+  flat = {_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(banks)[0]}
+  scales = {n: jnp.asarray(flat[k][slot], jnp.float32) for n, k in where.items()}
+  by_path = {k: n for n, k in where.items()}
+
+  def with_scales(new: Mapping[str, jax.Array]):
+    def put(path, leaf):
+      n = by_path.get(_key(path))
+      if n is None or n not in new:
+        return leaf
+      return leaf.at[slot].set(jnp.broadcast_to(new[n], leaf.shape[1:]).astype(leaf.dtype))
+    return nnx.merge(graphdef, params, jax.tree_util.tree_map_with_path(put, banks), rest)
+
+  return scales, with_scales
 
 
 def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
