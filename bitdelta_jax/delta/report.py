@@ -115,7 +115,7 @@ def describe_policy(policy: dict) -> str:
     policy.get("granularity"), str(policy.get("granularity")))
   dense = {"value": "as fine-tuned values", "delta": "as dense deltas"}.get(
     policy.get("dense"), str(policy.get("dense")))
-  kept = ", ".join(policy.get("exact_patterns", []))
+  kept = ", ".join(p.replace("\\b", "") for p in policy.get("exact_patterns", []))
   return (f"1-bit sign(Δ) of linear layers with {gran}, bit-plane groups of "
           f"{policy.get('group_k')} rows; other changed tensors ({kept}) kept exactly, {dense}")
 
