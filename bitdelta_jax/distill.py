@@ -100,23 +100,13 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
   Returns ``({hf name: new α (np.float32, the entry's own scale shape)}, curves)``; the α kept
   is the best on two fixed held-out calibration batches (never worse than the start).
   """
-  graphdef, params, banks, rest = nnx.split(student, nnx.Param, SlotBank, ...)
-  where = _scale_leaves(banks)
+  start, with_alphas = slot_scales(student, SLOT)
   alphas = {n: jnp.asarray(e.scale, jnp.float32) for n, e in delta.items()
             if isinstance(e, PackedDelta)}
-  missing = sorted(set(alphas) - set(where))
+  missing = sorted(set(alphas) - set(start))
   if missing:
     raise ValueError(f"the delta has 1-bit tensors that are not linear layers of this model: "
                      f"{missing[:3]}")
-  by_path = {where[n]: n for n in alphas}
-
-  def with_alphas(a):
-    def put(path, leaf):
-      n = by_path.get(_key(path))
-      if n is None:
-        return leaf
-      return leaf.at[SLOT].set(jnp.broadcast_to(a[n], leaf.shape[1:]).astype(leaf.dtype))
-    return jax.tree_util.tree_map_with_path(put, banks)
 
   t_graph, t_state = nnx.split(teacher)
 
@@ -129,7 +119,7 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
   @jax.jit
   def step(a, opt_state, tokens, target):
     def loss_fn(a):
-      model = nnx.merge(graphdef, params, with_alphas(a), rest)
+      model = with_alphas(a)
       slots = jnp.full((tokens.shape[0],), SLOT, jnp.int32)
       return jnp.mean(jnp.square(model(tokens, slot_ids=slots) - target))
     loss, g = jax.value_and_grad(loss_fn)(a)
@@ -138,7 +128,7 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
 
   @jax.jit
   def eval_loss(a, tokens, target):
-    model = nnx.merge(graphdef, params, with_alphas(a), rest)
+    model = with_alphas(a)
     slots = jnp.full((tokens.shape[0],), SLOT, jnp.int32)
     return jnp.mean(jnp.square(model(tokens, slot_ids=slots) - target))
 
@@ -164,7 +154,7 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
         if hl < best_loss:
           best, best_loss = alphas, hl
         bar.set_postfix(mse=f"{hl:.3e}")
-  nnx.update(student, with_alphas(best))
+  nnx.update(student, nnx.state(with_alphas(best), SlotBank))
   curve = {"train_mse": [float(x) for x in losses], "held_mse_before": first,
            "held_mse_after": best_loss}
   return {n: np.asarray(a) for n, a in best.items()}, curve
