@@ -15,12 +15,13 @@ goes through `atomic_output_dir`:
   guessing wrong there is exactly the data loss this module prevents. A checkpoint written
   by an older version (no marker) must be removed by hand.
 * The output is written into a hidden temporary directory beside the target,
-  ``.bitdelta-tmp-<name>-<pid>-<hex>``, fsynced, then swapped in: the old target is renamed
-  aside (``.bitdelta-old-<name>-<pid>-<hex>``), the new one renamed in, and the old one deleted
+  ``.bitdelta-tmp-<name>-<pid>@<host>-<hex>``, fsynced, then swapped in: the old target is
+  renamed aside (``.bitdelta-old-<name>-<pid>@<host>-<hex>``), the new one renamed in, and the old one deleted
   only after that succeeded. On an error the temporary directory is removed.
 * A process killed with ``kill -9`` leaves its temporary directory behind; the next run that
-  writes beside the same target removes temporaries of dead processes (and, if the kill hit
-  between the two renames, puts the old target back).
+  writes beside the same target removes temporaries of dead processes of this host (and, if the
+  kill hit between the two renames, puts the old target back). Temporaries of other hosts on a
+  shared file system are left alone.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +42,11 @@ OLD_PREFIX = ".bitdelta-old-"
 KINDS = ("delta", "checkpoint", "family")
 _KIND_WORDS = {"delta": "a bitdelta delta store", "checkpoint": "an HF checkpoint written by bitdelta",
                "family": "a bitdelta model family"}
-_SIDE = re.compile(r"^\.bitdelta-(?P<what>tmp|old)-(?P<name>.+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_SIDE = re.compile(
+  r"^\.bitdelta-(?P<what>tmp|old)-(?P<name>.+)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._\-]*)-[0-9a-f]{8}$")
+# The host is part of a temporary's name: on a shared file system, a process id says nothing
+# about another machine's processes, so only this host's temporaries are ever cleaned.
+HOST = re.sub(r"[^A-Za-z0-9.\-]", "_", socket.gethostname())[:32]
 
 
 class OutputError(ValueError):
@@ -131,7 +137,7 @@ def clean_stale(path: str | os.PathLike) -> list[Path]:
   removed = []
   for side in sorted(parent.iterdir()):
     m = _SIDE.match(side.name)
-    if not m or m["name"] != p.name or _pid_alive(int(m["pid"])):
+    if not m or m["name"] != p.name or m["host"] != HOST or _pid_alive(int(m["pid"])):
       continue
     if m["what"] == "old" and not p.exists() and not p.is_symlink():
       os.rename(side, p)
@@ -159,8 +165,10 @@ def fsync_tree(root: Path) -> None:
     _fsync(Path(dirpath))
 
 
-def _side_name(p: Path, what: str) -> Path:
-  return p.parent / f".bitdelta-{what}-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+def side_name(p: Path, what: str, pid: int | None = None) -> Path:
+  """``.bitdelta-<what>-<name>-<pid>@<host>-<random>`` beside ``p`` (what: "tmp" or "old")."""
+  pid = os.getpid() if pid is None else pid
+  return p.parent / f".bitdelta-{what}-{p.name}-{pid}@{HOST}-{uuid.uuid4().hex[:8]}"
 
 
 class OutputDir:
@@ -175,7 +183,7 @@ class OutputDir:
     clean_stale(self.out)
     check_output(self.out, kind=kind, overwrite=overwrite)
     self.out.parent.mkdir(parents=True, exist_ok=True)
-    self.tmp = _side_name(self.out, "tmp")
+    self.tmp = side_name(self.out, "tmp")
     self.tmp.mkdir()
     self.done = False
 
@@ -188,7 +196,7 @@ class OutputDir:
     fsync_tree(self.tmp)
     old = None
     if self.out.exists():
-      old = _side_name(self.out, "old")
+      old = side_name(self.out, "old")
       os.rename(self.out, old)
     try:
       os.rename(self.tmp, self.out)
@@ -235,7 +243,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
   if p.is_symlink() or (p.exists() and not p.is_file()):
     raise OutputError(f"{p}: refusing to replace {describe(p)} with a file")
   p.parent.mkdir(parents=True, exist_ok=True)
-  tmp = p.parent / f"{TMP_PREFIX}{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+  tmp = side_name(p, "tmp")
   try:
     with open(tmp, "wb") as f:
       f.write(data)

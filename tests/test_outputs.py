@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from bitdelta_jax.outputs import (
+  HOST,
   MARKER,
   OutputError,
   atomic_output_dir,
@@ -109,21 +110,23 @@ def test_empty_directory_is_filled_without_overwrite(tmp_path):
 
 def test_orphan_of_dead_pid_is_removed_live_one_kept(tmp_path):
   dead = _dead_pid()
-  orphan = tmp_path / f".bitdelta-tmp-out-{dead}-0123abcd"
+  orphan = tmp_path / f".bitdelta-tmp-out-{dead}@{HOST}-0123abcd"
   orphan.mkdir()
   (orphan / "big").write_text("x" * 100)
-  live = tmp_path / f".bitdelta-tmp-out-{os.getppid()}-0123abcd"  # a running process
+  live = tmp_path / f".bitdelta-tmp-out-{os.getppid()}@{HOST}-0123abcd"  # a running process
   live.mkdir()
-  other = tmp_path / f".bitdelta-tmp-elsewhere-{dead}-0123abcd"  # beside another target
+  other = tmp_path / f".bitdelta-tmp-elsewhere-{dead}@{HOST}-0123abcd"  # beside another target
   other.mkdir()
+  remote = tmp_path / f".bitdelta-tmp-out-{dead}@another-host-0123abcd"  # shared file system
+  remote.mkdir()
   with atomic_output_dir(tmp_path / "out", kind="delta"):
     pass
-  assert not orphan.exists() and live.exists() and other.exists()
+  assert not orphan.exists() and live.exists() and other.exists() and remote.exists()
 
 
 def test_old_copy_of_dead_pid_is_restored_when_target_missing(tmp_path):
   dead = _dead_pid()
-  old = tmp_path / f".bitdelta-old-out-{dead}-0123abcd"
+  old = tmp_path / f".bitdelta-old-out-{dead}@{HOST}-0123abcd"
   old.mkdir()
   (old / "manifest.json").write_text(json.dumps({"format": "bitdelta-jax-delta"}))
   clean_stale(tmp_path / "out")
