@@ -234,3 +234,23 @@ def test_tpu_backend_warning_is_filtered(capsys):
   finally:
     log.removeHandler(handler)
   assert [r.getMessage() for r in records] == ["something else"]
+
+
+def test_shipped_manifests_have_no_absolute_paths():
+  from bitdelta_jax.zoo import SHIPPED
+
+  def strings(x):
+    if isinstance(x, dict):
+      for v in x.values():
+        yield from strings(v)
+    elif isinstance(x, list):
+      for v in x:
+        yield from strings(v)
+    elif isinstance(x, str):
+      yield x
+
+  manifests = sorted(SHIPPED.glob("deltas/*/manifest.json"))
+  assert manifests
+  for f in manifests:
+    absolute = [s for s in strings(json.loads(f.read_text())) if s.startswith(("/", "~"))]
+    assert absolute == [], (f, absolute)
