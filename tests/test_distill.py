@@ -102,6 +102,8 @@ def test_cli_distill_on_changed_embeddings(pair, tmp_path, capsys):
 
 
 def test_cli_distill_rejects_bad_settings_without_internal_names(pair, tmp_path, capsys):
+  if pair["extra"]:
+    pytest.skip("checked once")
   rc = main(["distill", "--base", str(pair["base"]), "--finetuned", str(pair["ft"]),
              "--delta", str(pair["delta"]), "--calibration", str(tmp_path / "x.txt"),
              "--steps", "-1"])
