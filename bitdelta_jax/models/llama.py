@@ -15,6 +15,10 @@ Public entry points on `LlamaForCausalLM`:
 * ``decode(tokens [B], positions [B], slot_ids, k_cache, v_cache)`` → ``(logits [B,V], k, v)``:
   one token per row at its own position, written into the preallocated cache
   ``[L, B, max_len, kv_heads, head_dim]`` before attending over it.
+* ``forward_paged(batch: PagedBatch, k_pool, v_pool)`` → ``(logits [N,V], k_pool, v_pool)``:
+  the serving engine's one computation over a paged KV cache ``[L, pages, page_size,
+  kv_heads, head_dim]`` (see `bitdelta_jax.models.paged`): decode rows, prompt chunks and
+  several prompts packed into one row alike.
 
 ``slot_ids [B]`` picks each row's variant (0 = base); None runs the base for every row.
 """
@@ -254,3 +258,38 @@ class LlamaForCausalLM(nnx.Module):
 
     h = self._hidden(tokens_B[:, None].astype(jnp.int32), pos[:, None], slot_ids, attend)
     return self._logits(h, slot_ids)[:, 0], cache["k"], cache["v"]
+
+  def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False):
+    """New tokens over a paged KV cache; see `bitdelta_jax.models.paged.PagedBatch`.
+
+    Each new token's K/V is written to its (page, offset) first; then every row gathers its
+    pages ``[P, page_size]`` and each query attends to the keys of its own sequence
+    (``key_seq == query_seq``) at positions ``<=`` its own (and inside a sliding window).
+    Returns f32 logits at ``batch.out_index`` (flat indices into ``[B*T]``) and the pools.
+    """
+    ids = batch.tokens.astype(jnp.int32)
+    b, t = ids.shape
+    ps = k_pool.shape[2]
+    pos = batch.positions
+    kpos = (batch.page_start[:, :, None] + jnp.arange(ps, dtype=jnp.int32)[None, None])
+    kvalid = jnp.arange(ps, dtype=jnp.int32)[None, None] < batch.page_fill[:, :, None]
+    kseq = jnp.broadcast_to(batch.page_seq[:, :, None], kpos.shape)
+    kpos, kvalid, kseq = (a.reshape(b, -1) for a in (kpos, kvalid, kseq))
+    same = batch.seq[:, :, None] == kseq[:, None, :]
+    masks = {w: causal_mask(pos, kpos, w, kvalid) & same for w in set(self.config.layer_windows)}
+    cache = {"k": k_pool, "v": v_pool}
+    wp, wo = batch.write_page, batch.write_offset
+
+    def attend(i, q, k, v):
+      for name, new in (("k", k), ("v", v)):
+        cache[name] = cache[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
+      kg = cache["k"][i][batch.pages].reshape(b, -1, *k_pool.shape[3:])
+      vg = cache["v"][i][batch.pages].reshape(b, -1, *v_pool.shape[3:])
+      return attention(q, kg, vg, masks[self.config.layer_windows[i]])
+
+    slot_ids = None if base_only else batch.slot_ids
+    h = self._hidden(ids, pos, slot_ids, attend)
+    h_out = h.reshape(b * t, -1)[batch.out_index]
+    out_slots = None if base_only else batch.out_slot_ids
+    logits = self._logits(h_out[:, None], out_slots)[:, 0]
+    return logits, cache["k"], cache["v"]

@@ -1,0 +1,188 @@
+"""Paged-KV continuous batching: parity with transformers and with the fixed-row generator,
+chunked prefill, prefix reuse, preemption, row/length buckets and mixed variants."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import model_fixtures
+import numpy as np
+import pytest
+from model_fixtures import hf_greedy
+
+from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
+from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
+from bitdelta_jax.models.generate import Generator
+from bitdelta_jax.models.kv_pages import PagePool, page_hashes
+from bitdelta_jax.models.paged import PagedGenerator
+from bitdelta_jax.models.sampling import SamplingParams
+
+RNG = np.random.RandomState(0)
+PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
+
+hf_models = model_fixtures.hf_models
+
+
+@pytest.mark.parametrize("preset", ["llama", "mistral_sliding"])
+def test_greedy_matches_transformers_with_chunks_and_pages(hf_models, preset):
+  hf, path = hf_models(preset)
+  # pages of 4 tokens, prefill chunks of 8 tokens (prompts of 9, 11, 14 tokens take 2 chunks),
+  # 3 rows for 5 prompts (rows are refilled)
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=3, max_seq_len=32,
+                       page_size=4, prefill_chunk=8, min_pages_bucket=2)
+  results = gen.generate(PROMPTS, params=SamplingParams(max_new_tokens=8))
+  for prompt, res in zip(PROMPTS, results):
+    assert res.tokens == hf_greedy(hf, prompt, 8)
+    assert res.finish_reason == "length"
+  assert gen.pool.used == 0  # every page released (some may stay cached for prefixes)
+
+
+@pytest.fixture(scope="module")
+def llama_path(hf_models):
+  return hf_models("llama")
+
+
+def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
+  hf, path = llama_path
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=48,
+                       page_size=4, prefill_chunk=16, min_pages_bucket=2)
+  header = list(RNG.randint(3, 256, 13))
+  prompts = [header + list(RNG.randint(3, 256, n)) for n in (2, 5, 7)]
+  first = gen.generate(prompts[:1], params=SamplingParams(max_new_tokens=5))[0]
+  hits = gen.pool.hits
+  rest = gen.generate(prompts[1:], params=SamplingParams(max_new_tokens=5))
+  assert gen.pool.hits - hits >= 2 * 3  # 3 full pages of the 13-token header, twice
+  for p, r in zip(prompts, [first, *rest]):
+    assert r.tokens == hf_greedy(hf, p, 5)
+  # the same prompt again: all full pages but the last token's come from the cache
+  again = gen.generate(prompts[:1], params=SamplingParams(max_new_tokens=5))[0]
+  assert again.tokens == first.tokens
+
+
+def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
+  hf, path = llama_path
+  # 9 usable pages of 4 tokens = 36 tokens for 4 sequences that need up to 22 each
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=32,
+                       page_size=4, num_pages=10, prefill_chunk=8, min_pages_bucket=2,
+                       prefix_caching=False)
+  prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[4], PROMPTS[1]]
+  res = gen.generate(prompts, params=SamplingParams(max_new_tokens=8))
+  for p, r in zip(prompts, res):
+    assert r.tokens == hf_greedy(hf, p, 8)
+  assert gen.pool.used == 0
+
+
+def test_sequence_larger_than_the_pool_is_an_error(llama_path):
+  _, path = llama_path
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
+                       page_size=4, num_pages=4, min_pages_bucket=2)
+  with pytest.raises(RuntimeError, match="cannot hold a sequence of 20 tokens"):
+    gen.generate([list(range(3, 23))], params=SamplingParams(max_new_tokens=2))
+
+
+def test_row_and_length_buckets_bound_the_shapes(llama_path):
+  _, path = llama_path
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=8, max_seq_len=64,
+                       page_size=4, prefill_chunk=32, min_pages_bucket=2)
+  prompts = [list(RNG.randint(3, 256, n)) for n in range(1, 21)]
+  gen.generate(prompts, params=SamplingParams(max_new_tokens=3))
+  decode_rows = {shape[0] for shape, _, _, _ in gen.shapes_run if shape[1] == 1}
+  assert decode_rows <= {1, 2, 4, 8} and 8 in decode_rows
+  pages = {p for _, p, _, _ in gen.shapes_run}
+  assert all(p & (p - 1) == 0 for p in pages)  # powers of two
+  before = gen.compiles
+  gen.generate([PROMPTS[0]], params=SamplingParams(max_new_tokens=3))  # 1 row: a known shape
+  assert gen.compiles == before
+  # a lone stream runs 1 row, not max_rows
+  gen.shapes_run.clear()
+  gen.generate([PROMPTS[0]], params=SamplingParams(max_new_tokens=3))
+  assert {s for s, _, _, _ in gen.shapes_run} == {(1, 1), (1, 16)}
+
+
+def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
+  hf, path = llama_path
+  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
+                       page_size=4, prefill_chunk=8, min_pages_bucket=2)
+  short = gen.add(PROMPTS[0], params=SamplingParams(max_new_tokens=20))
+  gen.step()  # the short prompt's prefill
+  long_prompt = list(RNG.randint(3, 256, 40))
+  long = gen.add(long_prompt, params=SamplingParams(max_new_tokens=4))
+  steps_to_first = 0
+  while len(long.generated) == 0:
+    before = len(short.generated)
+    res = gen.step()
+    steps_to_first += 1
+    assert len(short.generated) == before + 1  # one decode token per iteration meanwhile
+    assert res.prefill_tokens <= 8
+  assert steps_to_first == 5  # 40 tokens in chunks of 8
+  while len(long.generated) < 4:
+    gen.step()
+  assert long.generated[:4] == hf_greedy(hf, long_prompt, 4)
+
+
+def test_seeded_sampling_is_per_request_and_matches_fixed_rows(llama_path):
+  _, path = llama_path
+  model = from_pretrained(path, jnp.float32)
+  gen = PagedGenerator(model, max_rows=4, max_seq_len=48, page_size=4, min_pages_bucket=2)
+  p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_new_tokens=6)
+  alone = gen.generate([PROMPTS[0]], params=p)[0].tokens
+  others = [dataclasses.replace(p, seed=s) for s in (1, 2, 3)]
+  mixed = gen.generate([PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[0]],
+                       params=[others[0], p, others[1], others[2]])
+  assert mixed[1].tokens == alone
+  assert mixed[3].tokens != alone
+  # the fixed-row generator draws with the same keys and the same sampler
+  fixed = Generator(model, buckets=(16,), max_seq_len=48, max_rows=2)
+  assert fixed.generate([PROMPTS[0]], params=p)[0].tokens == alone
+
+
+def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
+  _, path = hf_models("qwen2")
+  model = from_pretrained(path, jnp.float32, num_slots=3)
+  base = base_tensors(model)
+  rng = np.random.RandomState(1)
+  deltas = []
+  for _ in range(2):
+    ft = {k: a if "embed" in k or "lm_head" in k else a + 0.05 * rng.randn(*a.shape).astype(a.dtype)
+          for k, a in base.items()}
+    deltas.append(compress(base, ft, CompressPolicy(), hf_layout=True)[0])
+  gen = PagedGenerator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16,
+                       min_pages_bucket=2)
+  for slot, delta in zip((1, 2), deltas):
+    gen.load_variant(slot, delta)
+  params = SamplingParams(max_new_tokens=6)
+  slots = [0, 1, 2, 1]
+  prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[4]]
+  mixed = gen.generate(prompts, slot_ids=slots, params=params)
+  cfg = dataclasses.replace(model.config, num_slots=1)
+  for slot in (0, 1, 2):
+    weights = base if slot == 0 else apply_delta(base, deltas[slot - 1], hf_layout=True)
+    alone = Generator(from_tensors(cfg, weights), buckets=(16,), max_seq_len=32, max_rows=2)
+    rows = [i for i, s in enumerate(slots) if s == slot]
+    want = alone.generate([prompts[i] for i in rows], params=params)
+    assert [mixed[i].tokens for i in rows] == [w.tokens for w in want]
+  # a reloaded slot never reuses the old variant's cached prefix pages
+  gen.load_variant(1, deltas[1])
+  swapped = gen.generate([prompts[1]], slot_ids=[1], params=params)[0]
+  assert swapped.tokens == mixed[2].tokens
+
+
+def test_page_pool_refcounts_and_prefix_cache():
+  pool = PagePool(num_pages=4, page_size=2)
+  a, b = pool.allocate(), pool.allocate()
+  hs = page_hashes([5, 6, 7, 8], 2, (0,), 2)
+  assert hs != page_hashes([5, 6, 7, 8], 2, (1, 0), 2)  # the variant is part of the name
+  pool.publish(a, hs[0])
+  pool.publish(b, hs[1])
+  pool.release([a, b])
+  assert pool.available == 3 and pool.used == 0
+  assert pool.lookup(hs) == [a, b] and pool.used == 2
+  assert pool.lookup(page_hashes([5, 6, 9, 9], 2, (0,), 2)) == [a]  # the shared first page
+  pool.release([a, b, a])
+  c = pool.allocate()  # from the free list first; the cached pages stay
+  assert c not in (a, b) and pool.lookup(hs[:1]) == [a]
+  pool.release([a])
+  pool.allocate()
+  pool.allocate()  # evicts the least recently released cached pages
+  assert pool.lookup(hs) == []
