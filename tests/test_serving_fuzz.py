@@ -1,0 +1,118 @@
+"""Random JSON bodies for the generation routes: never a 5xx, and a healthy server afterwards.
+
+Bodies mix the fields the server reads (mostly plausible values, sometimes anything JSON can
+hold: huge integers, NaN, lone surrogates, nested junk) with unknown fields; a bounded number
+of examples keeps the module well under a minute once the server is up.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serving.app import ServerThread
+from serving.config import ServerConfig
+from serving.testing import synthetic_family
+
+MODELS = ("base", "v0", "v1")
+ODD_TEXT = st.sampled_from(["", "\ud800", "a\udfffb", "\x00", "\u2028", "é" * 40, "</s>",
+                            "x" * 300, "{{ raise }}", "<|im_start|>"])
+TEXT = st.text(max_size=24) | ODD_TEXT
+INTS = (st.integers(-3, 70) | st.sampled_from([2**31 - 1, 2**31, 2**32, 2**63, 2**64, -(2**63)])
+        | st.integers())
+FLOATS = st.floats(allow_nan=True, allow_infinity=True) | st.floats(-3, 3)
+LEAF = st.none() | st.booleans() | INTS | FLOATS | TEXT
+ANY = st.recursive(LEAF, lambda c: st.lists(c, max_size=3)
+                   | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=6)
+
+
+def _field(values):
+  return st.one_of(values, values, values, values, ANY)  # mostly plausible, sometimes anything
+
+
+MESSAGE = st.fixed_dictionaries(
+  {"role": _field(st.sampled_from(["system", "user", "assistant", "developer", "tool", "bot"])),
+   "content": _field(TEXT | st.lists(st.fixed_dictionaries(
+     {"type": st.sampled_from(["text", "image_url"]), "text": TEXT}), max_size=2))})
+FIELDS = {
+  "model": _field(st.sampled_from(MODELS)),
+  "prompt": _field(TEXT | st.lists(INTS, max_size=6) | st.lists(TEXT, max_size=2)),
+  "messages": _field(st.lists(MESSAGE, min_size=1, max_size=3)),
+  "max_tokens": _field(INTS), "max_completion_tokens": _field(INTS),
+  "temperature": _field(FLOATS), "top_p": _field(FLOATS), "top_k": _field(INTS),
+  "seed": _field(INTS), "n": _field(INTS), "best_of": _field(INTS),
+  "stop": _field(TEXT | st.lists(TEXT, max_size=5)), "stream": _field(st.booleans()),
+  "stream_options": _field(st.fixed_dictionaries({"include_usage": _field(st.booleans())})),
+  "ignore_eos": _field(st.booleans()), "logprobs": _field(st.booleans() | INTS),
+  "top_logprobs": _field(INTS), "echo": _field(st.booleans()), "suffix": _field(TEXT),
+  "presence_penalty": _field(st.just(0) | FLOATS), "user": ANY,
+}
+RARE = {  # fields the server refuses unless neutral: a body rarely has one
+  "logit_bias": ANY, "tools": ANY, "tool_choice": ANY, "response_format": ANY, "min_p": ANY,
+  "repetition_penalty": ANY, "frequency_penalty": _field(FLOATS),
+}
+
+
+@st.composite
+def bodies(draw):
+  chat = draw(st.booleans())
+  keys = draw(st.lists(st.sampled_from(sorted(FIELDS)), max_size=6, unique=True))
+  body = {k: draw(FIELDS[k]) for k in keys}
+  if not draw(st.integers(0, 5)):
+    key = draw(st.sampled_from(sorted(RARE)))
+    body[key] = draw(RARE[key])
+  if draw(st.integers(0, 3)):  # usually the required fields, so validation goes deeper
+    body.setdefault("model", draw(st.sampled_from(MODELS)))
+    body.setdefault("messages" if chat else "prompt",
+                    [{"role": "user", "content": "hi"}] if chat else "hi")
+  body.update(draw(st.dictionaries(st.text(max_size=8).map(lambda k: "x-" + k), ANY,
+                                   max_size=2)))  # unknown extras (ignored)
+  raw = draw(st.sampled_from(["dict"] * 8 + ["list", "junk"]))
+  if raw == "list":
+    body = [body]
+  text = json.dumps(body) if raw != "junk" else json.dumps(body)[: draw(st.integers(0, 40))]
+  return chat, text
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+  base, deltas = synthetic_family(tmp_path_factory.mktemp("fuzz"), n=2)
+  cfg = ServerConfig(base=str(base), base_name="base", port=0,
+                     variants=tuple((n, str(p)) for n, p in deltas.items()), device_slots=2,
+                     max_batch=4, max_seq_len=48, buckets=(16,), default_max_tokens=4)
+  with ServerThread(cfg) as h:
+    yield h
+
+
+def test_random_bodies_never_get_a_5xx(server):
+  session = requests.Session()
+  seen: dict[int, int] = {}
+
+  @settings(max_examples=200, deadline=None, database=None, derandomize=True,
+            suppress_health_check=list(HealthCheck))
+  @given(bodies())
+  def one(case):
+    chat, text = case
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = session.post(server.url + path, data=text.encode("utf-8", "surrogatepass"),
+                     headers={"Content-Type": "application/json"}, timeout=60)
+    body = r.content
+    seen[r.status_code] = seen.get(r.status_code, 0) + 1
+    assert r.status_code < 500, (text[:300], r.status_code, body[:300])
+    if r.status_code >= 400:
+      err = r.json()["error"]
+      assert err["message"] and "Retry-After" not in r.headers
+    elif not r.headers["Content-Type"].startswith("text/event-stream"):
+      assert r.json()["choices"]
+
+  one()
+  assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen  # both paths were exercised
+  h = session.get(server.url + "/health", timeout=10).json()
+  assert h["status"] == "ok" and h["active_rows"] == 0 and h["queue_depth"] == 0, h
+  r = session.post(server.url + "/v1/completions", json={"model": "v1", "prompt": "hello",
+                                                         "temperature": 0, "max_tokens": 3})
+  assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
