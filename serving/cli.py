@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
-import re
 import signal
 import sys
 import time
@@ -214,47 +212,6 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str]
   return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def compile_progress(emit, *, min_seconds: float = 0.25):
-  """While active, ``emit(line)`` once per XLA compilation that took ``min_seconds`` or more
-  (JAX's own compile log, so it follows whatever the engine compiles: each prefill bucket,
-  the decode step, ...); JAX's other compile-log lines are swallowed."""
-  import jax
-
-  t0 = time.perf_counter()
-  counts: dict[str, int] = {}
-  pat = re.compile(r"^Finished XLA compilation of (?:jit|pjit)?\(?([^)\s]+)\)? in ([0-9.]+) sec")
-
-  class Handler(logging.Handler):
-    def emit(self, record):
-      msg = record.getMessage()
-      m = pat.match(msg)
-      if m is None:
-        if not msg.startswith(("Finished tracing", "Compiling ", "Finished jaxpr")):
-          sys.stderr.write(f"{record.levelname.lower()}: {msg}\n")
-        return
-      secs = float(m.group(2))
-      if secs < min_seconds:
-        return
-      name = m.group(1).strip("_").removesuffix("_impl")
-      counts[name] = counts.get(name, 0) + 1
-      emit(f"  compiled {name} #{counts[name]} in {secs:.1f} s "
-           f"({time.perf_counter() - t0:.0f} s so far)")
-
-  jax_log = logging.getLogger("jax")
-  handler, propagate = Handler(), jax_log.propagate
-  was = jax.config.jax_log_compiles
-  jax_log.addHandler(handler)
-  jax_log.propagate = False
-  jax.config.update("jax_log_compiles", True)
-  try:
-    yield
-  finally:
-    jax.config.update("jax_log_compiles", was)
-    jax_log.removeHandler(handler)
-    jax_log.propagate = propagate
-
-
 def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False) -> None:
   """Runs the server in the foreground until SIGINT / SIGTERM.
 
@@ -305,11 +262,10 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
         print(line, file=sys.stderr, flush=True)
 
     say(f"loading {config.base} ({len(config.variants)} variants)...")
-    if config.warmup:
-      say("compiling (one line per compiled program; this can take minutes)...")
+    if config.warmup:  # the engine logs a line per compiled shape (INFO; --quiet hides them)
+      say("checking variants, loading the model, then compiling (this can take minutes)...")
     t0 = time.perf_counter()
-    with compile_progress(say) if not quiet else contextlib.nullcontext():
-      runner, server, port = await start_site(config)
+    runner, server, port = await start_site(config)
     say(f"ready in {time.perf_counter() - t0:.0f} s")
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
     print(banner(config, f"http://{host}:{port}", demo=demo,
@@ -327,4 +283,10 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
     finally:
       await runner.cleanup()
 
-  asyncio.run(main())
+  try:
+    asyncio.run(main())
+  except KeyboardInterrupt:  # Ctrl-C before the server was up (its handlers stop it after)
+    # the device thread may be inside an XLA compile: exiting normally would abort in C++
+    print("interrupted", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
