@@ -9,6 +9,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` → 
 ``GET /metrics``, and admin ``GET|POST /v1/variants``, ``DELETE /v1/variants/{name}``.
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
 Every failure is an OpenAI error object; an unexpected exception is a 500, never a crash.
+
+Start-up checks the port, then every configured variant (directory, manifest, base, array
+crc32s) before the model loads: a failure is a `BadVariantsError`, or with
+``skip_bad_variants`` the variant is left out and ``/health`` says ``degraded`` with the reasons.
+A non-streaming request whose client disconnects is cancelled (the engine frees its row).
 """
 
 from __future__ import annotations
@@ -345,7 +350,7 @@ class Server:
       v = self.registry.add(name, p, nbytes, source="admin")
     except RegistryError as e:
       raise P.ApiError(e.status, str(e), param=e.param, code=e.code) from None
-    except (DeltaStoreError, DeltaMismatchError) as e:
+    except (DeltaStoreError, DeltaMismatchError, OSError) as e:  # OSError: e.g. unreadable
       raise P.ApiError(400, f"path: {e}", param="path", code="invalid_delta") from None
     self.metrics.set_tier(v.name, "disk")
     log.info("registered variant %s -> %s", v.name, v.path)
