@@ -28,6 +28,7 @@ _FIELDS = {
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
+  "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
 }
 
 
@@ -50,8 +51,17 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="keep this variant in a device slot (repeatable)")
   p.add_argument("--top-n-pin", type=int, metavar="N",
                  help="also protect the N busiest variants from eviction (0)")
-  p.add_argument("--max-batch", type=int, metavar="B", help="decode rows (8)")
-  p.add_argument("--max-seq-len", type=int, metavar="L", help="context length (512)")
+  p.add_argument("--max-batch", type=int, metavar="B",
+                 help="most sequences decoding at once (32); a step runs only the live ones")
+  p.add_argument("--max-seq-len", type=int, metavar="L",
+                 help="context length: prompt + generated tokens (2048)")
+  p.add_argument("--page-size", type=int, metavar="T", help="tokens per KV-cache page (16)")
+  p.add_argument("--kv-cache-mb", type=float, metavar="M",
+                 help="KV-cache pool shared by all sequences, MiB (1024)")
+  p.add_argument("--prefill-chunk", type=int, metavar="T",
+                 help="prompt tokens per engine iteration; longer prompts are chunked (512)")
+  p.add_argument("--no-prefix-caching", action="store_true",
+                 help="do not reuse the KV pages of shared prompt prefixes")
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
   p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request omits it")
   p.add_argument("--variant-root", action="append", default=[], metavar="DIR",
@@ -136,6 +146,8 @@ def config_from_args(args, *, base: str | None = None,
     d["admin_roots"] = tuple(args.variant_root)
   if args.no_warmup:
     d["warmup"] = False
+  if getattr(args, "no_prefix_caching", False):
+    d["prefix_caching"] = False
   if getattr(args, "no_verify_base", False):
     d["verify_base"] = False
   if getattr(args, "no_verify_variants", False):

@@ -51,9 +51,13 @@ class ServerConfig:
   host_cache_mb: float = 1024.0
   pins: tuple[str, ...] = ()
   top_n_pin: int = 0
-  max_batch: int = 8  # decode rows
-  max_seq_len: int = 512
-  buckets: tuple[int, ...] = ()  # prefill lengths; default: powers of two from 32 to max_seq_len
+  max_batch: int = 32  # most sequences decoding at once (a step runs only the live ones)
+  max_seq_len: int = 2048  # prompt + generated tokens per sequence
+  buckets: tuple[int, ...] = ()  # sharded engine only: prefill lengths (powers of two from 32)
+  page_size: int = 16  # tokens per KV-cache page
+  kv_cache_mb: float = 1024.0  # KV-cache pool (pages are shared by all sequences)
+  prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
+  prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes, per variant
   dtype: str = "float32"
   max_body_bytes: int = 1 << 20
   default_max_tokens: int = 128
@@ -85,6 +89,9 @@ class ServerConfig:
     need(self.host_cache_mb >= 0, "host_cache_mb", f"must be >= 0, got {self.host_cache_mb}")
     need(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
     need(self.max_seq_len >= 8, "max_seq_len", f"must be >= 8, got {self.max_seq_len}")
+    need(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+    need(self.kv_cache_mb > 0, "kv_cache_mb", f"must be > 0, got {self.kv_cache_mb}")
+    need(self.prefill_chunk >= 1, "prefill_chunk", f"must be >= 1, got {self.prefill_chunk}")
     need(self.top_n_pin >= 0, "top_n_pin", f"must be >= 0, got {self.top_n_pin}")
     need(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
     need(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
@@ -151,8 +158,11 @@ class ServerConfig:
 
   @property
   def max_prompt_tokens(self) -> int:
-    """Longest prompt accepted: it must fit a bucket and leave room for one generated token."""
-    return min(self.prefill_buckets[-1], self.max_seq_len - 1)
+    """Longest prompt accepted: room for one generated token (the sharded engine's prompts
+    must also fit its largest prefill bucket; the paged engine chunks long prompts)."""
+    if self.sharded:
+      return min(self.prefill_buckets[-1], self.max_seq_len - 1)
+    return self.max_seq_len - 1
 
   def replace(self, **kw) -> ServerConfig:
     return dataclasses.replace(self, **kw)

@@ -1,15 +1,22 @@
-"""The device thread: it alone touches JAX. Continuous batching over a fixed set of decode rows.
+"""The device thread: it alone touches JAX. Continuous batching, mixed variants in one batch.
 
     engine = Engine(cfg, metrics, tokenizer)
     ready = engine.start()                     # concurrent.futures.Future: model loaded, compiled
     engine.submit(GenRequest(...))             # thread-safe; events come back via req.emit
     await asyncio.wrap_future(engine.call(lambda gen: gen.load_variant(slot, delta)))
 
-Loop (JetStream shape): run queued calls (slot loads) → admit new requests into free rows
-(``prefill`` at the prompt's bucket → first token → ``insert(row)``) → one ``step`` over all
-rows, whose per-row slot ids mix variants in the same batch → hand each row's token to its
-request. New requests therefore join between decode steps. Stops (EOS, stop strings, max
-tokens, context) are applied here on the host, so a finished row is freed at once.
+One device (the default): a `bitdelta_jax.models.paged.PagedGenerator`. Each iteration runs
+queued calls (slot loads), adds new requests, drops cancelled ones, then one ``step``: a decode
+call over the live rows only (row and length buckets, paged KV cache) and a prefill call over
+waiting prompts (several at once, mixed variants, long prompts chunked across iterations,
+shared prefixes reused). Each row's slot id mixes variants in the same batch.
+
+A mesh or several processes: the JetStream-shaped loop over a fixed set of decode rows
+(``prefill`` at the prompt's bucket → ``insert(row)`` → ``step`` over all rows), which the
+multi-process plans replay (`serving.multihost`).
+
+Stops (EOS, stop strings, max tokens, context) are applied here on the host in both loops, so
+a finished sequence is freed at once.
 
 Each request's ``emit`` is called on this thread with `Event`s; the server's ``emit`` forwards
 them to the event loop with ``loop.call_soon_threadsafe``. The last event is always ``done``
@@ -131,8 +138,14 @@ class Engine:
     return gen
 
   def _warmup(self, gen) -> None:
-    """Compiles every prefill bucket, insert, the decode step and the slot writer."""
+    """Compiles the common shapes: every prefill bucket, insert, the decode step (fixed rows),
+    or each decode-row bucket with a short prompt in base and variant forms (paged)."""
+    from bitdelta_jax.models.paged import PagedGenerator
     from bitdelta_jax.models.sampling import SamplingParams
+
+    if isinstance(gen, PagedGenerator):
+      gen.warmup(progress=log.info)
+      return
 
     state = gen.init_state()
     for b in gen.buckets:
@@ -153,8 +166,13 @@ class Engine:
       return
     self.alive = True
     self._ready.set_result(gen)
+    from bitdelta_jax.models.paged import PagedGenerator
+
     try:
-      self._loop(gen)
+      if isinstance(gen, PagedGenerator):
+        self._loop_paged(gen)
+      else:
+        self._loop(gen)
     finally:
       self.alive = False
       if hasattr(gen, "close"):  # multi-process: release the followers
@@ -254,6 +272,71 @@ class Engine:
       if not rows:
         self._gauges(0, len(pending), gen.max_rows)
 
+  def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
+    """Takes queued requests and runs queued calls; False when asked to stop."""
+    while True:
+      try:
+        item = self._inbox.get(block=block)
+      except queue.Empty:
+        return True
+      block = False
+      if item[0] == "stop":
+        return False
+      if item[0] == "req":
+        on_request(item[1])
+      else:
+        _, fn, fut = item
+        if fut.set_running_or_notify_cancel():
+          try:
+            fut.set_result(fn(self.gen))
+          except BaseException as e:  # noqa: BLE001
+            fut.set_exception(e)
+
+  def _loop_paged(self, gen) -> None:
+    m = self.metrics
+
+    def on_request(r: GenRequest) -> None:
+      try:
+        gen.add(r.prompt, r.slot, r.params, tag=r)
+      except ValueError as e:
+        self._emit(r, Event("error", message=str(e)))
+
+    while True:
+      if not self._drain_inbox(not gen.has_work, on_request):
+        for s in list(gen.running) + list(gen.waiting):
+          self._emit(s.tag, Event("error", message="server shutting down"))
+        return
+      for s in list(gen.running) + list(gen.waiting):
+        if s.tag.cancelled:
+          gen.finish(s)
+          self._emit(s.tag, Event("done", finish_reason="cancelled",
+                                  completion_tokens=len(s.tag.tokens)))
+      if not gen.has_work:
+        self._gauges(0, 0, gen.max_rows)
+        continue
+      try:
+        res = gen.step()
+      except Exception as e:  # noqa: BLE001  one failed step must not stop the engine
+        log.exception("engine step failed")
+        for s in list(gen.running) + list(gen.waiting):
+          gen.finish(s)
+          self._emit(s.tag, Event("error", message=f"engine step failed: {e}", code=_code(e)))
+        continue
+      self.steps += 1
+      for s, msg in res.errors:
+        self._emit(s.tag, Event("error", message=msg))
+      now = time.perf_counter()
+      for s, tok in res.tokens:
+        r = s.tag
+        if not r.tokens:
+          m.ttft.labels(r.model).observe(now - r.arrival)
+        else:
+          m.itl.labels(r.model).observe(now - r.t_last)
+        r.t_last = now
+        if self._accept(r, tok, now):
+          gen.finish(s)
+      self._gauges(len(gen.running), len(gen.waiting), gen.max_rows)
+
   def _gauges(self, active: int, pending: int, max_rows: int) -> None:
     m = self.metrics
     self.queue_depth = pending + self._inbox.qsize()
@@ -328,11 +411,19 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
     log.info("sharded over mesh %s (%d processes)", sharding.mesh_spec(mesh), cfg.num_processes)
     return sharding.ShardedGenerator(model, mesh, **kw)
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.generate import Generator
+  from bitdelta_jax.models.paged import PagedGenerator
 
   if model_factory is not None:
     model = model_factory()
   else:
     model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1,
                             dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
-  return Generator(model, **kw)
+  mc = model.config
+  token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
+  pages_per_seq = -(-cfg.max_seq_len // cfg.page_size)
+  budget_pages = int(cfg.kv_cache_mb * (1 << 20)) // (token_bytes * cfg.page_size)
+  num_pages = max(2, min(cfg.max_batch * pages_per_seq, budget_pages) + 1)
+  return PagedGenerator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
+                        page_size=cfg.page_size, num_pages=num_pages,
+                        prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
+                        tokenizer=tokenizer)

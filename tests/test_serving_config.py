@@ -36,7 +36,7 @@ def test_defaults_and_derived():
   (dict(max_batch=0), "max_batch"), (dict(variants=(("../x", "/d"),)), "variant name"),
   (dict(variants=(("a", "/d"), ("a", "/e"))), "variants"), (dict(pins=("zz",)), "pins"),
   (dict(variants=(("p", "/d"), ("q", "/e")), pins=("p", "q"), device_slots=1), "pins"),
-  (dict(dtype="int8"), "dtype"), (dict(buckets=(1024,)), "buckets"),
+  (dict(dtype="int8"), "dtype"), (dict(buckets=(4096,)), "buckets"),
   (dict(base_name="x", variants=(("x", "/d"),)), "variants"),
 ])
 def test_invalid_values_name_the_field(kw, field):
