@@ -215,6 +215,10 @@ class Server:
       code = "worker_lost" if self.engine.lost else "variant_load_failed"
       raise P.ApiError(503, str(e), code=code,
                        headers={"Retry-After": str(max(1, int(cfg.load_retry_s)))}) from None
+    if _gone(request):  # the client left while its variant loaded: generate nothing
+      lease.release()
+      self.metrics.requests.labels(model, endpoint, "499").inc()
+      return web.Response(status=499, text="the client disconnected")  # never sent
 
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Event] = asyncio.Queue()
@@ -402,9 +406,13 @@ async def _next_event(events: asyncio.Queue, request: web.Request) -> Event | No
     try:
       return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
     except TimeoutError:
-      t = request.transport
-      if t is None or t.is_closing():
+      if _gone(request):
         return None
+
+
+def _gone(request: web.Request) -> bool:
+  t = request.transport
+  return t is None or t.is_closing()
 
 
 def _read_manifests(variants) -> dict:

@@ -116,6 +116,20 @@ def test_serve_cli_exits_2_on_a_bad_variant(family, capsys):
   assert "gone" in err and "no such delta directory" in err and "--skip-bad-variants" in err
 
 
+def test_serve_flags_for_the_checks():
+  import argparse
+
+  from serving.cli import add_serve_parsers, config_from_args
+
+  sub = argparse.ArgumentParser().add_subparsers()
+  p = add_serve_parsers(sub)
+  args = p.parse_args(["--base", "b", "--skip-bad-variants", "--no-verify-variants", "--quiet"])
+  cfg = config_from_args(args)
+  assert cfg.skip_bad_variants and not cfg.verify_variants and args.quiet
+  cfg = config_from_args(p.parse_args(["--base", "b"]))
+  assert not cfg.skip_bad_variants and cfg.verify_variants
+
+
 def test_skipped_variants_are_not_served_and_health_is_degraded(server):
   ids = {m["id"] for m in get(server, "/v1/models").json()["data"]}
   assert ids == {"base", "v0", "v1"}
