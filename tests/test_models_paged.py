@@ -139,13 +139,13 @@ def test_seeded_sampling_is_per_request_and_matches_fixed_rows(llama_path):
 
 def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
   _, path = hf_models("qwen2")
-  model = from_pretrained(path, jnp.float32, num_slots=3)
+  model = from_pretrained(path, jnp.float32, num_slots=3, dense_embedding_slots=True)
   base = base_tensors(model)
   rng = np.random.RandomState(1)
   deltas = []
-  for _ in range(2):
-    ft = {k: a if "embed" in k or "lm_head" in k else a + 0.05 * rng.randn(*a.shape).astype(a.dtype)
-          for k, a in base.items()}
+  for i in range(2):  # the second variant also changes the embeddings and the LM head
+    ft = {k: a if ("embed" in k or "lm_head" in k) and i == 0
+          else a + 0.05 * rng.randn(*a.shape).astype(a.dtype) for k, a in base.items()}
     deltas.append(compress(base, ft, CompressPolicy(), hf_layout=True)[0])
   gen = PagedGenerator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16,
                        min_pages_bucket=2)
@@ -155,7 +155,9 @@ def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
   slots = [0, 1, 2, 1]
   prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[4]]
   mixed = gen.generate(prompts, slot_ids=slots, params=params)
-  cfg = dataclasses.replace(model.config, num_slots=1)
+  emb = model.model.embed_tokens
+  assert list(np.asarray(emb.weight_delta_used[...])) == [0.0, 0.0, 1.0]
+  cfg = dataclasses.replace(model.config, num_slots=1, dense_embedding_slots=False)
   for slot in (0, 1, 2):
     weights = base if slot == 0 else apply_delta(base, deltas[slot - 1], hf_layout=True)
     alone = Generator(from_tensors(cfg, weights), buckets=(16,), max_seq_len=32, max_rows=2)

@@ -9,7 +9,11 @@ checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
   ``m``'s sequence; the matmul goes through ``pallas_kernels.delta_matmul``. Bank: bits
   ``[S, K_pad/8, N]`` uint8, scale ``[S, N]`` f32 (a per-matrix α is broadcast to N).
 * `RMSNorm`: per-slot f32 weight delta ``[S, D]`` (norms are kept exactly by the compressor).
-* `Embed` / `LMHead`: optional per-slot dense f32 deltas (``ModelConfig.dense_embedding_slots``).
+* `Embed` / `LMHead`: optional per-slot dense f32 deltas (``ModelConfig.dense_embedding_slots``)
+  and a per-slot flag of whether the slot's delta is non-zero. The input side gathers only the
+  batch's tokens; the output side adds ``h · ΔE[s]ᵀ`` once per slot that has rows in the batch
+  and a non-zero delta (a ``lax.cond`` per slot), so a batch without such rows runs exactly the
+  base's LM head, and never materialises a ``[rows, V, D]`` gather.
 
 Slot 0 is the base: its rows are always zero. All bank shapes are static, so loading a
 variant (see `bitdelta_jax.models.slots`) is an array update that never recompiles.
@@ -52,6 +56,19 @@ def delta_matmul_fn(implementation=None):
 
 def _rows(bank: jax.Array, slot_ids: jax.Array) -> jax.Array:
   return jnp.take(bank, slot_ids, axis=0)
+
+
+def _add_slot_products(logits_BxTxV, h_BxTxD, bank, used_S, slot_ids_B, spec: str):
+  """``logits[b] += h[b] · bank[slot[b]]`` computed once per slot present in the batch whose
+  flag is set (slots skipped by ``lax.cond``), never per row."""
+  h = h_BxTxD.astype(jnp.float32)
+  for s in range(1, bank.shape[0]):
+    rows = slot_ids_B == s
+    add = lambda lg, s=s, rows=rows: lg + jnp.where(
+      rows[:, None, None], jnp.einsum(spec, h, bank[s]), 0.0)
+    logits_BxTxV = jax.lax.cond(jnp.any(rows) & (used_S[s] > 0), add, lambda lg: lg,
+                                logits_BxTxV)
+  return logits_BxTxV
 
 
 class DeltaDense(nnx.Module):
@@ -152,11 +169,9 @@ class Embed(nnx.Module):
 
   def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
     self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), dtype))
-    self.weight_delta = (
-      SlotBank(jnp.zeros((num_slots, vocab, dim), jnp.float32))
-      if dense_slots and num_slots > 1
-      else None
-    )
+    banked = dense_slots and num_slots > 1
+    self.weight_delta = SlotBank(jnp.zeros((num_slots, vocab, dim), jnp.float32)) if banked else None
+    self.weight_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
 
   def __call__(self, ids_BxT: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     w = self.weight[...]
@@ -171,8 +186,8 @@ class Embed(nnx.Module):
     w = self.weight[...]
     logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
     if self.weight_delta is not None and slot_ids is not None:
-      d = _rows(self.weight_delta[...], slot_ids)
-      logits = logits + jnp.einsum("btd,bvd->btv", h_BxTxD.astype(jnp.float32), d)
+      logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
+                                  self.weight_delta_used[...], slot_ids, "btd,vd->btv")
     return logits
 
 
@@ -181,15 +196,13 @@ class LMHead(nnx.Module):
 
   def __init__(self, dim: int, vocab: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
     self.kernel = nnx.Param(_init(rngs.params(), (dim, vocab), dtype))
-    self.kernel_delta = (
-      SlotBank(jnp.zeros((num_slots, dim, vocab), jnp.float32))
-      if dense_slots and num_slots > 1
-      else None
-    )
+    banked = dense_slots and num_slots > 1
+    self.kernel_delta = SlotBank(jnp.zeros((num_slots, dim, vocab), jnp.float32)) if banked else None
+    self.kernel_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
 
   def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     logits = jnp.dot(h_BxTxD, self.kernel[...], preferred_element_type=jnp.float32)
     if self.kernel_delta is not None and slot_ids is not None:
-      d = _rows(self.kernel_delta[...], slot_ids)
-      logits = logits + jnp.einsum("btd,bdv->btv", h_BxTxD.astype(jnp.float32), d)
+      logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
+                                  self.kernel_delta_used[...], slot_ids, "btd,dv->btv")
     return logits

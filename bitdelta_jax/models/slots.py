@@ -89,8 +89,10 @@ def _bank(module, role: str) -> list[nnx.Variable | None]:
   if role == "bias":
     return [module.bias_delta]
   if role == "head":
-    return [module.kernel_delta]
-  return [module.weight_delta]  # norm, embed
+    return [module.kernel_delta, module.kernel_delta_used]
+  if role == "embed":
+    return [module.weight_delta, module.weight_delta_used]
+  return [module.weight_delta]  # norm
 
 
 def _base(module, role: str) -> np.ndarray:
@@ -170,11 +172,13 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
         f"compress it to a PackedDelta"
       )
     return _packed_rows(name, module, entry)
+  used = np.float32(1.0)  # embed / head: the slot's flag (LM-head products are skipped without)
   if is_packed:
     if role != "head":
       raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
-    return [np.asarray(jax.device_get(_dense_of(entry)))]
-  return [_dense_row(name, entry, _base(module, role), role)]
+    return [np.asarray(jax.device_get(_dense_of(entry))), used]
+  row = _dense_row(name, entry, _base(module, role), role)
+  return [row, used] if role in ("embed", "head") else [row]
 
 
 def _lora_rows(name: str, module: DeltaDense, e: LoraEntry) -> list[np.ndarray | None]:
