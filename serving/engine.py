@@ -122,6 +122,7 @@ class Engine:
   # -- device thread -----------------------------------------------------------------------
   def _build(self):
     cfg = self.cfg
+    enable_compile_cache()
     if cfg.multi_process:  # process 0: every step becomes a plan for the followers too
       from bitdelta_jax.distributed import broadcast_json
       from serving import multihost
@@ -382,6 +383,21 @@ class Engine:
       r.emit(ev)
     except Exception:  # noqa: BLE001  e.g. the event loop is closed
       log.debug("dropping event for a closed request", exc_info=True)
+
+
+def enable_compile_cache() -> None:
+  """Keeps compiled executables on disk (``$BITDELTA_CACHE/xla``, default
+  ``~/.cache/bitdelta_jax/xla``) so a restarted server skips most of its warm-up compiles.
+  ``BITDELTA_COMPILE_CACHE=0`` turns it off."""
+  import os
+
+  import jax
+
+  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    return
+  root = os.environ.get("BITDELTA_CACHE") or os.path.expanduser("~/.cache/bitdelta_jax")
+  jax.config.update("jax_compilation_cache_dir", os.path.join(root, "xla"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 def _code(e: BaseException) -> str | None:

