@@ -104,7 +104,8 @@ def free_port() -> int:
 
 def start_server(base, variants, port, log):
   cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
-         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots", "4"]
+         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots", "4",
+         "--base-name", "base"]
   for n, d in variants.items():
     cmd += ["--variant", f"{n}={d}"]
   proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
