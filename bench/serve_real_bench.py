@@ -193,7 +193,7 @@ class HF:
                                 do_sample=False, pad_token_id=self.tok.pad_token_id)
       wall = time.perf_counter() - t0
     new = out[:, enc["input_ids"].shape[1]:]
-    return [self.tok.decode(r, skip_special_tokens=False) for r in new], new.numel(), wall
+    return [self.tok.decode(r, skip_special_tokens=True) for r in new], new.numel(), wall
 
 
 # -- main -------------------------------------------------------------------------------------

@@ -54,6 +54,20 @@ def delta_matmul_fn(implementation=None):
   return functools.partial(delta_matmul, implementation=implementation)
 
 
+def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
+  """``x · W`` for the base path: the CPU small-M kernel for a few f32 rows on one CPU device
+  (`pallas_kernels.small_matmul`), XLA's dot otherwise (and always under a sharded matmul)."""
+  b, t, k = x_BxTxK.shape
+  if not callable(implementation) and jax.device_count() == 1:
+    try:
+      from pallas_kernels.small_matmul.cpu import small_matmul, usable
+    except ImportError:
+      usable = None
+    if usable is not None and usable(b * t, x_BxTxK.dtype, kernel.dtype):
+      return small_matmul(x_BxTxK.reshape(b * t, k), kernel).reshape(b, t, -1)
+  return jnp.dot(x_BxTxK, kernel)
+
+
 def _rows(bank: jax.Array, slot_ids: jax.Array) -> jax.Array:
   return jnp.take(bank, slot_ids, axis=0)
 
@@ -133,7 +147,7 @@ class DeltaDense(nnx.Module):
         xa = jnp.einsum("btk,bkr->btr", x_BxTxK.astype(jnp.float32), a)
         y = (y.astype(jnp.float32) + jnp.einsum("btr,brn->btn", xa, bb)).astype(y.dtype)
     else:
-      y = jnp.dot(x_BxTxK, kernel)
+      y = _base_matmul(x_BxTxK, kernel, self.implementation)
     if self.bias is not None:
       bias = self.bias[...]
       if self.bias_delta is not None and slot_ids is not None:

@@ -456,7 +456,7 @@ class PagedGenerator:
       self.add(prompts[i], slots[i], plist[i], tag=i)
     while self.has_work:
       res = self.step()
-      for s, msg in res.errors:
+      for _, msg in res.errors:
         raise RuntimeError(msg)
       for s, _ in res.tokens:
         done = finish_reason(s, self.max_seq_len, self.tokenizer)

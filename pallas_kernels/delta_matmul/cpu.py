@@ -8,7 +8,8 @@ bits for 16 columns at once; a portable loop elsewhere). Rows are grouped by slo
 slot's delta is read once per block of 4 rows.
 
 Numerics: delta term accumulated in f32 from f32 x, α applied in the epilogue; the base
-product is ``jnp.dot(x, w_base, preferred_element_type=f32)``; the sum is cast to ``x.dtype``.
+product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
+`pallas_kernels.small_matmul` kernel); the sum is cast to ``x.dtype``.
 
 Backend: host CPU only. The kernel is compiled on first use with the system ``g++``
 (``-O3 -march=native``, std::thread over column tiles; ``$BITDELTA_CPU_THREADS`` caps them) and cached under ``~/.cache/bitdelta_jax``
@@ -95,5 +96,10 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
   else:
     bank, scales = bits, scale
     slots = jnp.where(slot_ids == 0, -1, slot_ids).astype(jnp.int32)  # slot 0: base only
-  base = jnp.dot(x, w_base, preferred_element_type=jnp.float32)
+  from pallas_kernels.small_matmul.cpu import small_matmul, usable
+
+  if usable(x.shape[0], x.dtype, w_base.dtype):
+    base = small_matmul(x, w_base)
+  else:
+    base = jnp.dot(x, w_base, preferred_element_type=jnp.float32)
   return fused_call(x, bank, scales, slots, base, group_k=group_k).astype(x.dtype)
