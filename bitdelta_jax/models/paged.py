@@ -19,7 +19,7 @@ shapes:
   a longer prompt is cut into chunks over successive iterations, so decode rows keep
   stepping while it fills (chunked prefill), and prompts may be as long as ``max_seq_len``.
   Prompts of the same variant slot are packed into one row (each token attends only to its
-  own sequence), one row per slot in the call.
+  own sequence), one call per slot.
 
 Pages are allocated as tokens arrive (`bitdelta_jax.models.kv_pages.PagePool`). Full pages are
 published for prefix reuse per variant: a prompt that starts like an earlier one (a system
@@ -345,8 +345,12 @@ class PagedGenerator:
     return min(_pow2(n, self.min_pages_bucket), _pow2(self.max_pages_per_seq * self.max_rows))
 
   def _prefill_groups(self, prefill):
-    """One call for all prefill work: its rows are the variant slots involved."""
-    return [prefill]
+    """One prefill call per variant slot (its prompts packed into one row), so that prefill
+    shapes depend only on the token and page buckets."""
+    by_slot: dict[int, list] = {}
+    for s, n in prefill:
+      by_slot.setdefault(s.slot, []).append((s, n))
+    return list(by_slot.values())
 
   def _decode_batch(self, decode):
     b = min(_pow2(len(decode)), _pow2(self.max_rows))
@@ -360,7 +364,10 @@ class PagedGenerator:
       by_slot.setdefault(s.slot, []).append((s, n))
     rows = list(by_slot.values())
     t = _pow2(max(sum(n for _, n in r) for r in rows), 16)
-    p = self._pages_bucket(max(sum(len(s.pages) for s, _ in r) for r in rows))
+    # pages tied to the token bucket (room for as many cached prefix pages as new ones), so the
+    # prefill shapes are few and the warm-up covers them
+    pages = max(sum(len(s.pages) for s, _ in r) for r in rows)
+    p = self._pages_bucket(max(pages, 2 * t // self.page_size))
     outputs = [s for r in rows for s, n in r if s.n_cached + n == len(s.tokens)]
     return self._batch(rows, _pow2(len(rows)), t, p, outputs, out_rows=False)
 
