@@ -139,6 +139,23 @@ def _step_impl(graphdef, params_state, state: DecodeState) -> tuple[DecodeState,
   return DecodeState(k, v, jnp.minimum(pos + 1, max_len), nxt, r), nxt
 
 
+def per_request(prompts, slot_ids, params, tokenizer) -> tuple[list[int], list[SamplingParams]]:
+  """``generate``'s arguments as one slot id and one `SamplingParams` per prompt."""
+  n = len(prompts)
+  if slot_ids is None:
+    slots = [0] * n
+  elif isinstance(slot_ids, int):
+    slots = [slot_ids] * n
+  else:
+    slots = list(slot_ids)
+  plist = [params or SamplingParams()] * n if not isinstance(params, Sequence) else list(params)
+  if len(slots) != n or len(plist) != n:
+    raise ValueError("slot_ids and params must have one entry per prompt")
+  if any(p.stop_strings for p in plist) and tokenizer is None:
+    raise ValueError("stop_strings need a tokenizer (Generator(..., tokenizer=...))")
+  return slots, plist
+
+
 class Generator:
   """Bucketed prefill + batched decode over a `LlamaForCausalLM`; see the module docstring."""
 
@@ -234,18 +251,7 @@ class Generator:
   ) -> list[Generation]:
     """Generates for every prompt (continuous batching over ``max_rows`` decode rows)."""
     n = len(prompts)
-    slots = (
-      [0] * n
-      if slot_ids is None
-      else [slot_ids] * n
-      if isinstance(slot_ids, int)
-      else list(slot_ids)
-    )
-    plist = [params or SamplingParams()] * n if not isinstance(params, Sequence) else list(params)
-    if len(slots) != n or len(plist) != n:
-      raise ValueError("slot_ids and params must have one entry per prompt")
-    if any(p.stop_strings for p in plist) and self.tokenizer is None:
-      raise ValueError("stop_strings need a tokenizer (Generator(..., tokenizer=...))")
+    slots, plist = per_request(prompts, slot_ids, params, self.tokenizer)
     self.refresh()
     results: list[Generation | None] = [None] * n
     pending = deque(range(n))

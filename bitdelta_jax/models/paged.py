@@ -45,6 +45,7 @@ import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
+from bitdelta_jax.models.generate import Generation, per_request
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
 from bitdelta_jax.models.sampling import SamplingParams, row_keys, sample
 
@@ -127,14 +128,6 @@ class StepResult:
   errors: list[tuple[Seq, str]]  # sequences dropped by the scheduler (they hold no pages)
   decode_rows: int = 0
   prefill_tokens: int = 0
-
-
-@dataclasses.dataclass
-class Generation:
-  tokens: list[int]
-  finish_reason: str  # "stop" | "length"
-  text: str | None = None
-  prompt_len: int = 0
 
 
 class PagedGenerator:
@@ -450,13 +443,7 @@ class PagedGenerator:
   ) -> list[Generation]:
     """Generates for every prompt; stops as in `bitdelta_jax.models.generate.Generator`."""
     n = len(prompts)
-    slots = ([0] * n if slot_ids is None else [slot_ids] * n if isinstance(slot_ids, int)
-             else list(slot_ids))
-    plist = [params or SamplingParams()] * n if not isinstance(params, Sequence) else list(params)
-    if len(slots) != n or len(plist) != n:
-      raise ValueError("slot_ids and params must have one entry per prompt")
-    if any(p.stop_strings for p in plist) and self.tokenizer is None:
-      raise ValueError("stop_strings need a tokenizer")
+    slots, plist = per_request(prompts, slot_ids, params, self.tokenizer)
     self.refresh()
     results: list[Generation | None] = [None] * n
     for i in range(n):
