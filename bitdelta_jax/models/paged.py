@@ -110,7 +110,6 @@ class Seq:
   pages: list[int] = dataclasses.field(default_factory=list)
   hashes: list[bytes] = dataclasses.field(default_factory=list)
   n_cached: int = 0
-  cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
   finished: bool = False
 
   @property
@@ -126,7 +125,6 @@ class Seq:
 class StepResult:
   tokens: list[tuple[Seq, int]]  # a new token of each sequence that produced one
   errors: list[tuple[Seq, str]]  # sequences dropped by the scheduler (they hold no pages)
-  decode_rows: int = 0
   prefill_tokens: int = 0
 
 
@@ -242,8 +240,6 @@ class PagedGenerator:
         s.pages = self.pool.lookup(s.hashes)
         s.hashes = s.hashes[: len(s.pages)]
         s.n_cached = len(s.pages) * self.page_size
-        if not s.generated:
-          s.cached_prompt_tokens = s.n_cached
       self.running.append(s)
 
   def _preempt_newest(self) -> Seq:
@@ -288,10 +284,8 @@ class PagedGenerator:
       else:
         prefill.append((s, n))
         budget -= n
-    # a sequence preempted after it was planned is not run
-    live = set(map(id, self.running))
-    decode = [(s, n) for s, n in decode if id(s) in live]
-    prefill = [(s, n) for s, n in prefill if id(s) in live]
+    # planned sequences are never preempted later in the loop: a victim is the newest running
+    # sequence, so it is at least as new as the one being planned, and all planned ones are older
     return decode, prefill, errors
 
   def step(self) -> StepResult:
@@ -310,7 +304,7 @@ class PagedGenerator:
                                                 base_only=base_only)
       self.shapes_run.add((batch.tokens.shape, batch.pages.shape[1], len(outputs), base_only))
       pending_out.append((work, outputs, tok))
-    result = StepResult([], errors, len(decode), sum(n for _, n in prefill))
+    result = StepResult([], errors, sum(n for _, n in prefill))
     for work, outputs, tok in pending_out:
       tok = np.asarray(tok)
       for s, n in work:

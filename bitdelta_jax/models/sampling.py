@@ -114,6 +114,12 @@ def _log_z(x_RxV, sorted_RxC, k_R):
   return jnp.where(k_R <= sorted_RxC.shape[-1], lz_c, jax.nn.logsumexp(x_RxV, axis=-1))
 
 
+def _sorted_cutoff(x_RxV, k_R, top_p_R):
+  """`_cutoff` over the whole vocabulary, sorted."""
+  sorted_x = -jnp.sort(-x_RxV, axis=-1)
+  return _cutoff(sorted_x, k_R, top_p_R, _log_z(x_RxV, sorted_x, k_R))[0]
+
+
 def _is_filtered(x, k, top_p_R):
   return (k < x.shape[-1]) | (top_p_R < 1)
 
@@ -128,9 +134,7 @@ def sample_reference(
   """The sampling definition written plainly: a full sort of every row."""
   logits = logits_RxV.astype(jnp.float32)
   x, k, u = _prepare(logits, keys_Rx2, temperature_R, top_k_R)
-  sorted_x = -jnp.sort(-x, axis=-1)
-  cut, _ = _cutoff(sorted_x, k, top_p_R, _log_z(x, sorted_x, k))
-  cut = jnp.where(_is_filtered(x, k, top_p_R), cut, -jnp.inf)
+  cut = jnp.where(_is_filtered(x, k, top_p_R), _sorted_cutoff(x, k, top_p_R), -jnp.inf)
   tok = _pick(x, cut, u)
   return jnp.where(temperature_R <= 0, jnp.argmax(logits, axis=-1), tok).astype(jnp.int32)
 
@@ -145,9 +149,7 @@ def _fast_cutoff(x, k, top_p):
 
   def widen(i, cut, fits):
     if i == len(CANDIDATES):
-      sorted_x = -jnp.sort(-x, axis=-1)
-      full, _ = _cutoff(sorted_x, k, top_p, _log_z(x, sorted_x, k))
-      return jnp.where(fits, cut, full)
+      return jnp.where(fits, cut, _sorted_cutoff(x, k, top_p))
     c = min(CANDIDATES[i], x.shape[-1])
 
     def wider():
