@@ -69,3 +69,33 @@ def test_lora_errors(setup):
   small = from_pretrained(root / "base", dtype=jnp.float32, num_slots=2, lora_rank=2)
   with pytest.raises(ValueError, match="exceeds the model's lora_rank"):
     load_lora(small, 1, load_adapter(root / "adapter"))
+
+
+def test_residual_entry_serves_packed_plus_low_rank(setup):
+  """A `ResidualEntry` (1-bit + low-rank) in a slot equals the base plus the dense sum of both,
+  computed in numpy, in one batch with a plain 1-bit variant and the base."""
+  from bitdelta_jax.delta.format import dense_delta
+  from bitdelta_jax.models.slots import LoraEntry, ResidualEntry
+
+  root, ids, _, base_sd, delta = setup
+  rng = np.random.default_rng(5)
+  residual, want = {}, dict(base_sd)
+  for name, pd in delta.items():
+    if not hasattr(pd, "bits"):
+      continue
+    k, n = pd.shape  # Flax layout [in, out]
+    a = (0.05 * rng.standard_normal((k, 3))).astype(np.float32)
+    b = (0.05 * rng.standard_normal((3, n))).astype(np.float32)
+    residual[name] = ResidualEntry(pd, LoraEntry(a, b))
+    dense = np.asarray(dense_delta(pd, np.float32))  # [in, out]
+    want[name] = (base_sd[name].astype(np.float64) + (dense + a @ b).T).astype(np.float32)
+  assert residual
+  model = from_pretrained(root / "base", dtype=jnp.float32, num_slots=3, lora_rank=4)
+  load_variant(model, 1, residual)
+  load_variant(model, 2, delta)
+  out = np.asarray(model(jnp.asarray(np.repeat(ids, 3, axis=0)), slot_ids=jnp.array([1, 2, 0])))
+  cfg = load_config(root / "base")
+  alone = from_tensors(cfg, want, jnp.float32)
+  np.testing.assert_allclose(out[0], np.asarray(alone(jnp.asarray(ids)))[0], atol=1e-4)
+  plain = from_tensors(cfg, apply_delta(base_sd, delta, hf_layout=True), jnp.float32)
+  np.testing.assert_allclose(out[1], np.asarray(plain(jnp.asarray(ids)))[0], atol=1e-4)

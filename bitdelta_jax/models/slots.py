@@ -13,6 +13,8 @@
   ``delta`` (``ft − base``, f32) of a norm weight or bias → the layer's f32 delta row.
 * embeddings / LM head that differ need ``ModelConfig.dense_embedding_slots``; otherwise a
   `ValueError` names the tensor. A grown vocabulary (``extra_rows``) is always an error.
+* `LoraEntry` (``a [in, r]``, ``b [r, out]``) → the layer's LoRA bank (its 1-bit row stays zero);
+  `ResidualEntry` (a `PackedDelta` plus a `LoraEntry`) → both banks of the layer.
 * A tensor the delta omits is the base; a name the model lacks is an error.
 
 All bank rows of a slot are written by one jitted, buffer-donating update whose slot index is
@@ -68,6 +70,20 @@ class LoraEntry:
   @property
   def nbytes(self) -> int:
     return int(self.a.nbytes + self.b.nbytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ResidualEntry:
+  """A 1-bit delta plus a low-rank correction of what it leaves out, for one linear weight:
+  ``ΔW ≈ α ⊙ S + a · b`` (e.g. D-QRELO). Served by the slot's 1-bit bank and its LoRA bank
+  together, so such a variant runs in the same mixed batch as plain 1-bit and LoRA variants."""
+
+  packed: PackedDelta
+  lora: LoraEntry
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.packed.nbytes + self.lora.nbytes)
 
 
 def lora_entries(adapter) -> dict[str, LoraEntry]:
@@ -151,6 +167,8 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
   kind = None if is_packed else getattr(entry, "kind", None)
   if isinstance(entry, LoraEntry):
     kind = "lora"
+  if isinstance(entry, ResidualEntry):
+    kind = "residual"
   if not is_packed and kind is None:
     raise ValueError(f"tensor {name!r}: expected PackedDelta or Dense, got {type(entry).__name__}")
   if kind == "same":
@@ -165,6 +183,10 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
     raise ValueError(f"tensor {name!r}: the model was built with num_slots=1 (no variant bank)")
   if role == "linear" and isinstance(entry, LoraEntry):
     return _lora_rows(name, module, entry)
+  if role == "linear" and isinstance(entry, ResidualEntry):
+    return _packed_rows(name, module, entry.packed) + _lora_rows(name, module, entry.lora)[2:]
+  if isinstance(entry, ResidualEntry):
+    raise ValueError(f"tensor {name!r}: a 1-bit + low-rank entry is only valid for linear weights")
   if role == "linear":
     if not is_packed:
       raise ValueError(
