@@ -86,6 +86,9 @@ class ModelConfig:
       slot can hold a PEFT LoRA adapter instead of a 1-bit delta.
     dense_embedding_slots: also give embeddings / LM head a per-slot dense f32 delta bank
       (``[S, V, D]``: large), so variants whose embeddings differ can share a batch.
+    extra_vocab: per-slot token rows beyond the base vocabulary, for variants that grew it
+      (added tokens: their embedding and LM-head rows live in the slot; the logits are
+      ``vocab_size + extra_vocab`` wide, a slot's unused extra ids are never sampled).
     delta_implementation: passed to ``pallas_kernels.delta_matmul.api.delta_matmul``
       (None = the best available for the backend).
   """
@@ -111,6 +114,7 @@ class ModelConfig:
   num_slots: int = 1
   dense_embedding_slots: bool = False
   lora_rank: int = 0
+  extra_vocab: int = 0
   delta_implementation: str | None = None
 
   def __post_init__(self):
@@ -123,6 +127,9 @@ class ModelConfig:
       raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if self.num_slots < 1:
       raise ConfigError(f"num_slots must be >= 1 (slot 0 is the base), got {self.num_slots}")
+    if self.extra_vocab < 0 or (self.extra_vocab and self.num_slots < 2):
+      raise ConfigError(f"extra_vocab must be >= 0 and needs num_slots >= 2, got "
+                        f"extra_vocab={self.extra_vocab}, num_slots={self.num_slots}")
     if not self.layer_windows:
       object.__setattr__(self, "layer_windows", (None,) * self.num_layers)
     if len(self.layer_windows) != self.num_layers:
@@ -144,7 +151,7 @@ class ModelConfig:
   @classmethod
   def from_hf_dict(
     cls, d: Mapping[str, Any], *, num_slots: int = 1, dense_embedding_slots: bool = False,
-    lora_rank: int = 0,
+    lora_rank: int = 0, extra_vocab: int = 0,
   ) -> ModelConfig:
     """Builds a config from a parsed HF ``config.json``; raises `ConfigError` if unsupported."""
     model_type = d.get("model_type")
@@ -208,6 +215,7 @@ class ModelConfig:
       num_slots=num_slots,
       dense_embedding_slots=dense_embedding_slots,
       lora_rank=lora_rank,
+      extra_vocab=extra_vocab,
     )
 
 

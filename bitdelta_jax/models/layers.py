@@ -14,6 +14,8 @@ checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
   batch's tokens; the output side adds ``h · ΔE[s]ᵀ`` once per slot that has rows in the batch
   and a non-zero delta (a ``lax.cond`` per slot), so a batch without such rows runs exactly the
   base's LM head, and never materialises a ``[rows, V, D]`` gather.
+  With ``ModelConfig.extra_vocab`` they also hold per-slot rows for tokens a variant added (a
+  grown vocabulary); the logits are then ``V + extra_vocab`` wide.
 
 Slot 0 is the base: its rows are always zero. All bank shapes are static, so loading a
 variant (see `bitdelta_jax.models.slots`) is an array update that never recompiles.
@@ -179,44 +181,90 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-  """Token embedding ``[V, D]``; with tied embeddings it also produces the logits."""
+  """Token embedding ``[V, D]``; with tied embeddings it also produces the logits.
 
-  def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
+  With ``extra_vocab = X > 0`` each slot also holds up to X rows for tokens a variant added
+  (ids ``V … V+X−1``, `SlotBank` ``extra_weight [S, X, D]``) and how many it uses
+  (``extra_count [S]``); the tied logits are then ``V + X`` wide and a row's unused extra ids
+  are ``-inf`` (never sampled; the base, slot 0, uses none).
+  """
+
+  def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs,
+               extra_vocab: int = 0):
     self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), dtype))
     banked = dense_slots and num_slots > 1
     self.weight_delta = SlotBank(jnp.zeros((num_slots, vocab, dim), jnp.float32)) if banked else None
     self.weight_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
+    grown = extra_vocab > 0 and num_slots > 1
+    self.extra_weight = (SlotBank(jnp.zeros((num_slots, extra_vocab, dim), jnp.float32))
+                         if grown else None)
+    self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, ids_BxT: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     w = self.weight[...]
-    e = jnp.take(w, ids_BxT, axis=0)
+    vocab = w.shape[0]
+    is_extra = ids_BxT >= vocab
+    base_ids = jnp.where(is_extra, 0, ids_BxT) if self.extra_weight is not None else ids_BxT
+    e = jnp.take(w, base_ids, axis=0)
     if self.weight_delta is not None and slot_ids is not None:
-      d = self.weight_delta[...][slot_ids[:, None], ids_BxT]
+      d = self.weight_delta[...][slot_ids[:, None], base_ids]
       e = (e.astype(jnp.float32) + d).astype(w.dtype)
+    if self.extra_weight is not None and slot_ids is not None:
+      bank = self.extra_weight[...]
+      x = bank[slot_ids[:, None], jnp.clip(ids_BxT - vocab, 0, bank.shape[1] - 1)]
+      e = jnp.where(is_extra[..., None], x.astype(e.dtype), e)
     return e
 
   def attend(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``), f32 logits."""
+    """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``, + added tokens), f32 logits."""
     w = self.weight[...]
     logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
     if self.weight_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
                                   self.weight_delta_used[...], slot_ids, "btd,vd->btv")
+    if self.extra_weight is not None:
+      logits = _with_extra_logits(logits, h_BxTxD, self.extra_weight[...], self.extra_count[...],
+                                  slot_ids, "btd,bxd->btx")
     return logits
 
 
-class LMHead(nnx.Module):
-  """Untied LM head, kernel ``[D, V]`` (HF ``lm_head.weight`` transposed); f32 logits."""
+def _with_extra_logits(logits_BxTxV, h_BxTxD, bank, count_S, slot_ids_B, spec: str):
+  """Appends the logits of each row's slot's added tokens (``-inf`` past the slot's count, and
+  for every row when ``slot_ids`` is None: the base has no added tokens)."""
+  b, t, _ = logits_BxTxV.shape
+  x = bank.shape[1] if "bxd" in spec else bank.shape[2]
+  if slot_ids_B is None:
+    ext = jnp.full((b, t, x), -jnp.inf, jnp.float32)
+  else:
+    rows = jnp.take(bank, slot_ids_B, axis=0)  # [B, X, D] or [B, D, X]: X is small
+    ext = jnp.einsum(spec, h_BxTxD.astype(jnp.float32), rows)
+    n = jnp.take(count_S, slot_ids_B)
+    valid = jnp.arange(x, dtype=jnp.float32)[None, :] < n[:, None]
+    ext = jnp.where(valid[:, None, :], ext, -jnp.inf)
+  return jnp.concatenate([logits_BxTxV, ext], axis=-1)
 
-  def __init__(self, dim: int, vocab: int, *, num_slots: int, dense_slots: bool, dtype, rngs):
+
+class LMHead(nnx.Module):
+  """Untied LM head, kernel ``[D, V]`` (HF ``lm_head.weight`` transposed); f32 logits.
+  ``extra_vocab``: per-slot columns ``extra_kernel [S, D, X]`` for added tokens, as in `Embed`."""
+
+  def __init__(self, dim: int, vocab: int, *, num_slots: int, dense_slots: bool, dtype, rngs,
+               extra_vocab: int = 0):
     self.kernel = nnx.Param(_init(rngs.params(), (dim, vocab), dtype))
     banked = dense_slots and num_slots > 1
     self.kernel_delta = SlotBank(jnp.zeros((num_slots, dim, vocab), jnp.float32)) if banked else None
     self.kernel_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
+    grown = extra_vocab > 0 and num_slots > 1
+    self.extra_kernel = (SlotBank(jnp.zeros((num_slots, dim, extra_vocab), jnp.float32))
+                         if grown else None)
+    self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     logits = jnp.dot(h_BxTxD, self.kernel[...], preferred_element_type=jnp.float32)
     if self.kernel_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
                                   self.kernel_delta_used[...], slot_ids, "btd,dv->btv")
+    if self.extra_kernel is not None:
+      logits = _with_extra_logits(logits, h_BxTxD, self.extra_kernel[...], self.extra_count[...],
+                                  slot_ids, "btd,bdx->btx")
     return logits

@@ -144,6 +144,7 @@ class Decoder(nnx.Module):
       cfg.hidden_size,
       num_slots=cfg.num_slots,
       dense_slots=cfg.dense_embedding_slots,
+      extra_vocab=cfg.extra_vocab,
       dtype=dtype,
       rngs=rngs,
     )
@@ -169,6 +170,7 @@ class LlamaForCausalLM(nnx.Module):
         cfg.vocab_size,
         num_slots=cfg.num_slots,
         dense_slots=cfg.dense_embedding_slots,
+        extra_vocab=cfg.extra_vocab,
         dtype=dtype,
         rngs=rngs,
       )

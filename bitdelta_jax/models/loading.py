@@ -8,7 +8,7 @@ variables are zero-filled, and ``nnx.merge`` returns the module.
 Name mapping (`hf_name`): a Flax path joined with dots is the HF name, except that a Linear's
 ``kernel`` is HF ``weight`` transposed (``[in, out]`` vs ``[out, in]``).
 
-    from_pretrained(path, dtype=None, *, num_slots=1, dense_embedding_slots=False,
+    from_pretrained(path, dtype=None, *, num_slots=1, dense_embedding_slots=False, extra_vocab=0,
                     delta_implementation=None)
     from_tensors(config, tensors: Mapping[str, np.ndarray], dtype=jnp.float32)
     load_config(path, **slot_kwargs) -> ModelConfig
@@ -128,6 +128,7 @@ def from_pretrained(
   num_slots: int = 1,
   dense_embedding_slots: bool = False,
   lora_rank: int = 0,
+  extra_vocab: int = 0,
   delta_implementation: str | None = None,
 ) -> LlamaForCausalLM:
   """Loads ``config.json`` + safetensors from a local HF directory.
@@ -138,6 +139,7 @@ def from_pretrained(
     num_slots: variant-bank size (slot 0 = base); 1 builds the plain base model.
     dense_embedding_slots: give embeddings / LM head per-slot dense delta banks.
     lora_rank: per-slot LoRA factors up to this rank in every linear layer (0: none).
+    extra_vocab: per-slot rows for tokens variants added (a grown vocabulary; 0: none).
     delta_implementation: forced ``delta_matmul`` implementation (None = best available).
 
   Raises:
@@ -146,7 +148,7 @@ def from_pretrained(
   """
   path = Path(path)
   cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots,
-                    lora_rank=lora_rank)
+                    lora_rank=lora_rank, extra_vocab=extra_vocab)
   cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
   dtype = _config_dtype(path) if dtype is None else dtype
   reader = CheckpointReader(path)

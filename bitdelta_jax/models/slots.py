@@ -12,7 +12,9 @@
 * ``Dense`` kind ``same`` → the slot row is zeroed (the base); kind ``value`` (HF layout) or
   ``delta`` (``ft − base``, f32) of a norm weight or bias → the layer's f32 delta row.
 * embeddings / LM head that differ need ``ModelConfig.dense_embedding_slots``; otherwise a
-  `ValueError` names the tensor. A grown vocabulary (``extra_rows``) is always an error.
+  `ValueError` names the tensor. Rows of tokens a variant added (a grown vocabulary:
+  ``extra_rows``, or a ``value`` longer than the base) go into the ``extra_vocab`` rows of the
+  slot, which must have room for them.
 * `LoraEntry` (``a [in, r]``, ``b [r, out]``) → the layer's LoRA bank (its 1-bit row stays zero);
   `ResidualEntry` (a `PackedDelta` plus a `LoraEntry`) → both banks of the layer.
 * A tensor the delta omits is the base; a name the model lacks is an error.
@@ -105,9 +107,9 @@ def _bank(module, role: str) -> list[nnx.Variable | None]:
   if role == "bias":
     return [module.bias_delta]
   if role == "head":
-    return [module.kernel_delta, module.kernel_delta_used]
+    return [module.kernel_delta, module.kernel_delta_used, module.extra_kernel, module.extra_count]
   if role == "embed":
-    return [module.weight_delta, module.weight_delta_used]
+    return [module.weight_delta, module.weight_delta_used, module.extra_weight, module.extra_count]
   return [module.weight_delta]  # norm
 
 
@@ -140,18 +142,10 @@ def _packed_rows(name: str, module: DeltaDense, pd: PackedDelta) -> list[np.ndar
 
 def _dense_row(name: str, entry: Any, base_hf: np.ndarray, role: str) -> np.ndarray:
   """f32 ``ft − base`` in the bank's layout (HF layout transposed for the LM head)."""
-  extra = getattr(entry, "extra_rows", None)
-  if extra is not None and np.size(extra):
-    raise ValueError(
-      f"tensor {name!r}: the variant grew the vocabulary ({np.shape(extra)[0]} extra rows); "
-      f"a slot cannot change the vocabulary size"
-    )
   value = np.asarray(entry.value)
   if value.shape != base_hf.shape:
-    raise ValueError(
-      f"tensor {name!r}: variant has shape {list(value.shape)}, base {list(base_hf.shape)}"
-      + (" (a grown vocabulary cannot go into a slot)" if role in ("embed", "head") else "")
-    )
+    raise ValueError(f"tensor {name!r}: variant has shape {list(value.shape)}, "
+                     f"base {list(base_hf.shape)}")
   if entry.kind == "value":
     d = value.astype(np.float32) - base_hf.astype(np.float32)
   elif entry.kind == "delta":
@@ -159,6 +153,55 @@ def _dense_row(name: str, entry: Any, base_hf: np.ndarray, role: str) -> np.ndar
   else:
     raise ValueError(f"tensor {name!r}: unknown entry kind {entry.kind!r}")
   return d.T if role == "head" else d
+
+
+def split_grown(entry: Any, vocab: int) -> tuple[Any, np.ndarray | None]:
+  """A `Dense` embedding / LM-head entry as (the part over the base's ``vocab`` rows, the rows
+  of tokens the variant added or None). A ``value`` entry of a grown vocabulary holds both."""
+  extra = getattr(entry, "extra_rows", None)
+  if getattr(entry, "kind", None) == "value" and entry.value is not None:
+    value = np.asarray(entry.value)
+    if value.ndim == 2 and value.shape[0] > vocab:
+      return dataclasses.replace(entry, value=value[:vocab], extra_rows=None), value[vocab:]
+  if extra is not None and np.size(extra):
+    return dataclasses.replace(entry, extra_rows=None), np.asarray(extra)
+  return entry, None
+
+
+def _vocab_rows(name: str, module, role: str, entry: Any) -> list[np.ndarray | None]:
+  """Rows for ``[delta, used, extra, extra_count]`` of an embedding / LM head (see `_bank`)."""
+  banks = _bank(module, role)
+  base = _base(module, role)  # [V, D] (the head's kernel transposed back)
+  if isinstance(entry, PackedDelta):
+    if role != "head":
+      raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
+    delta, extra = np.asarray(jax.device_get(_dense_of(entry))), None
+  else:
+    part, extra = split_grown(entry, base.shape[0])
+    delta = None if part.kind == "same" else _dense_row(name, part, base, role)
+    if delta is not None and not np.any(delta):
+      delta = None  # only the added rows differ: no dense bank needed
+  rows: list[np.ndarray | None] = [None, None, None, None]
+  if delta is not None:
+    if banks[0] is None:
+      raise ValueError(
+        f"tensor {name!r} differs in this variant, but the model has no per-slot embedding "
+        f"bank: build it with dense_embedding_slots=True, or keep {name!r} equal to the base")
+    rows[:2] = [delta, np.float32(1.0)]  # the flag: LM-head products are skipped without it
+  if extra is not None:
+    n = extra.shape[0]
+    room = 0 if banks[2] is None else banks[2][...].shape[1 if role == "embed" else 2]
+    if n > room:
+      raise ValueError(
+        f"tensor {name!r}: the variant grew the vocabulary by {n} tokens, but the model has "
+        f"room for {room} added tokens per slot (build it with extra_vocab >= {n})")
+    if extra.shape[1:] != base.shape[1:]:
+      raise ValueError(f"tensor {name!r}: added rows have shape {list(extra.shape)}, the "
+                       f"base's rows {list(base.shape[1:])}")
+    padded = np.zeros((room, base.shape[1]), np.float32)
+    padded[:n] = extra
+    rows[2:] = [padded.T if role == "head" else padded, np.float32(n)]
+  return rows
 
 
 def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | None:
@@ -173,13 +216,10 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
     raise ValueError(f"tensor {name!r}: expected PackedDelta or Dense, got {type(entry).__name__}")
   if kind == "same":
     return None
+  if role in ("embed", "head"):
+    return _vocab_rows(name, module, role, entry)
   banks = _bank(module, role)
   if any(b is None for b in banks):
-    if role in ("embed", "head"):
-      raise ValueError(
-        f"tensor {name!r} differs in this variant, but the model has no per-slot embedding "
-        f"bank: build it with dense_embedding_slots=True, or keep {name!r} equal to the base"
-      )
     raise ValueError(f"tensor {name!r}: the model was built with num_slots=1 (no variant bank)")
   if role == "linear" and isinstance(entry, LoraEntry):
     return _lora_rows(name, module, entry)
@@ -194,13 +234,9 @@ def _rows_for(name: str, module, role: str, entry: Any) -> list[np.ndarray] | No
         f"compress it to a PackedDelta"
       )
     return _packed_rows(name, module, entry)
-  used = np.float32(1.0)  # embed / head: the slot's flag (LM-head products are skipped without)
   if is_packed:
-    if role != "head":
-      raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
-    return [np.asarray(jax.device_get(_dense_of(entry))), used]
-  row = _dense_row(name, entry, _base(module, role), role)
-  return [row, used] if role in ("embed", "head") else [row]
+    raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
+  return [_dense_row(name, entry, _base(module, role), role)]
 
 
 def _lora_rows(name: str, module: DeltaDense, e: LoraEntry) -> list[np.ndarray | None]:
