@@ -2,6 +2,9 @@
 
 A delta tree maps tensor names to entries:
   * `PackedDelta` for 2-D linear weights (always in Flax ``[in, out]`` layout);
+  * with ``CompressPolicy.mode`` other than ``"bitdelta"`` (`bitdelta_jax.delta.residual`), a
+    linear weight is a `ResidualEntry` (1-bit + low rank, ``dqrelo``) or a `LoraEntry` (low rank
+    alone, ``svd`` / ``delta-come``), which the slot banks serve as they are;
   * `Dense` for everything kept exactly: ``same`` (identical to the base, costs nothing),
     ``value`` (the fine-tuned tensor) or ``delta`` (``ft − base`` in float32, plus
     ``extra_rows`` when a fine-tune grew the vocabulary).
@@ -42,20 +45,44 @@ class CompressPolicy:
       ``"value"`` (the fine-tuned tensor in its own dtype).
     exact_patterns: regexes (searched in the tensor name) of 2-D tensors kept exactly:
       embeddings and LM head by default.
+    mode: how linear weights are compressed: ``"bitdelta"`` (α ⊙ sign Δ), ``"dqrelo"`` (1-bit +
+      compensated low-rank residual), ``"svd"`` (truncated SVD), ``"delta-come"`` (singular
+      vectors at mixed precision); see `bitdelta_jax.delta.residual`.
+    rank: rank of the low-rank part (ignored when ``budget`` is set).
+    budget: bytes per linear weight as a fraction of its bf16 bytes (e.g. 1/15).
+    factor_width: 16 (float factors), 8/4/2 (uniform codes) or 0 (mixed, from the budget).
+    factor_dtype: ``"bfloat16"`` or ``"float16"`` for 16-bit factors.
+    iters: D-QRELO alternations between the low-rank part and the signs/α.
   """
 
   granularity: str = "matrix"
   group_k: int = DEFAULT_GROUP_K
   dense: str = "value"
   exact_patterns: tuple[str, ...] = (r"embed", r"lm_head", r"\bwte\b", r"\bwpe\b", r"norm")
+  mode: str = "bitdelta"
+  rank: int = 0
+  budget: float | None = None
+  factor_width: int = 16
+  factor_dtype: str = "bfloat16"
+  iters: int = 2
 
   def __post_init__(self):
+    if self.mode != "bitdelta" or self.budget is not None:
+      self.mode_spec()  # validates
     if self.granularity not in GRANULARITIES:
       raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
     if self.dense not in ("delta", "value"):
       raise ValueError(f"dense must be 'delta' or 'value', got {self.dense!r}")
     if self.group_k <= 0 or self.group_k % 8:
       raise ValueError(f"group_k must be a positive multiple of 8, got {self.group_k}")
+
+  def mode_spec(self):
+    """The `residual.ModeSpec` of this policy's linear weights."""
+    from bitdelta_jax.delta.residual import ModeSpec
+
+    return ModeSpec(mode=self.mode, rank=self.rank, budget=self.budget, width=self.factor_width,
+                    float_dtype=self.factor_dtype, iters=self.iters,
+                    granularity=self.granularity, group_k=self.group_k)
 
   def is_linear(self, name: str, ndim: int) -> bool:
     return ndim == 2 and not any(re.search(p, name) for p in self.exact_patterns)
@@ -80,7 +107,7 @@ class Dense:
     return sum(int(a.nbytes) for a in (self.value, self.extra_rows) if a is not None)
 
 
-Entry = PackedDelta | Dense
+Entry = PackedDelta | Dense  # or, for other modes, `ResidualEntry` / `LoraEntry`
 
 
 @functools.partial(jax.jit, static_argnames=("granularity", "group_k", "transpose"))
@@ -129,6 +156,8 @@ def compress_tensor(
                                note=f"vocabulary grew {v} -> {ft.shape[0]}")
   if _identical(base, ft):
     return Dense("same"), TensorReport(name, "same", ft.shape, str(ft.dtype), before, 0, 0.0)
+  if policy.is_linear(name, ft.ndim) and policy.mode != "bitdelta":
+    return _compress_linear_mode(name, base, ft, policy, hf_layout=hf_layout)
   if policy.is_linear(name, ft.ndim):
     pd, err2, d2 = _compress_linear(
       base, ft, granularity=policy.granularity, group_k=policy.group_k, transpose=hf_layout
@@ -143,16 +172,48 @@ def compress_tensor(
   return entry, TensorReport(name, entry.kind, ft.shape, str(ft.dtype), before, entry.nbytes, 0.0)
 
 
+def _compress_linear_mode(name, base, ft, policy, *, hf_layout: bool):
+  from bitdelta_jax.delta import residual
+
+  d = ft.astype(np.float32) - base.astype(np.float32)
+  if hf_layout:
+    d = d.T
+  entry = residual.compress_linear(d, policy.mode_spec())
+  d2 = float(np.sum(np.square(d, dtype=np.float64)))
+  err2 = float(np.sum(np.square(d - residual.dense_of(entry), dtype=np.float64)))
+  rel = float(np.sqrt(err2 / d2)) if d2 > 0 else 0.0
+  rank = residual.lora_rank_of([entry])
+  note = f"{policy.mode}: " + ("1-bit" if isinstance(entry, PackedDelta) else
+                               f"{'1-bit + ' if hasattr(entry, 'packed') else ''}rank {rank}")
+  # Report kind "packed" = a compressed linear weight (the report's totals count those).
+  return entry, TensorReport(name, "packed", ft.shape, str(ft.dtype), int(ft.nbytes),
+                             residual.stored_nbytes(entry), rel, note=note)
+
+
+def _linear_delta(entry) -> np.ndarray | None:
+  """The dense f32 ``[K, N]`` of a linear entry, or None if ``entry`` is not one."""
+  if isinstance(entry, PackedDelta):
+    return np.asarray(dense_delta(jax.tree.map(np.asarray, entry), np.float32))
+  if isinstance(entry, Dense):
+    return None
+  from bitdelta_jax.delta import residual
+
+  try:
+    return residual.dense_of(entry)
+  except TypeError:
+    return None
+
+
 def apply_tensor(name: str, base: np.ndarray, entry: Entry, *, hf_layout: bool = True) -> np.ndarray:
   """``W_eff`` for one tensor, in the base's dtype (or the fine-tune's, for ``value``)."""
-  if isinstance(entry, PackedDelta):
-    k, n = entry.shape
+  d = _linear_delta(entry)
+  if d is not None:
+    k, n = d.shape
     want = (n, k) if hf_layout else (k, n)
     if tuple(base.shape) != want:
       raise DeltaMismatchError(
         f"tensor {name!r}: delta is for shape {list(want)}, base has {list(base.shape)}"
       )
-    d = np.asarray(dense_delta(jax.tree.map(np.asarray, entry), np.float32))
     if hf_layout:
       d = d.T
     return (base.astype(np.float32) + d).astype(base.dtype)

@@ -4,6 +4,10 @@
       manifest.json               format version, base fingerprint, per-tensor layout, report
       arrays/<tensor>/<field>/    zarr arrays (uncompressed, ≤64 MB chunks along axis 0)
 
+Linear weights are ``packed`` (1-bit), or with the other delta modes (`residual.py`)
+``residual`` (1-bit + low-rank factors) or ``lora`` (low-rank factors alone); the manifest's
+``mode`` and ``lora_rank`` say which and how large a LoRA slot a model needs (docs/FORMAT.md).
+
 Writes are atomic (`bitdelta_jax.outputs`): everything goes to a hidden sibling
 ``.bitdelta-tmp-NAME-<pid>-<id>`` that is fsynced and swapped into place only after the
 manifest is written, so an interrupted write leaves nothing that loads as a variant; an
@@ -109,6 +113,13 @@ def _array_dir(root: Path, name: str) -> Path:
   return root / "arrays" / name
 
 
+def _packed_meta(d: Path, entry: PackedDelta) -> dict:
+  return {"kind": "packed", "shape": list(entry.shape), "group_k": entry.group_k,
+          "granularity": entry.granularity, "layout": entry.layout, "arrays": {
+            "bits": write_array(d / "bits", np.asarray(entry.bits)),
+            "scale": write_array(d / "scale", np.asarray(entry.scale, np.float32))}}
+
+
 class DeltaWriter(AtomicDir):
   """Streams delta entries to a new delta directory; `finish` writes the manifest and commits."""
 
@@ -118,11 +129,19 @@ class DeltaWriter(AtomicDir):
 
   def add(self, name: str, entry: Entry, hf_shape: Iterable[int] | None = None):
     d = _array_dir(self.tmp, name)
+    from bitdelta_jax.delta import factors_io
+
     if isinstance(entry, PackedDelta):
-      meta = {"kind": "packed", "shape": list(entry.shape), "group_k": entry.group_k,
-              "granularity": entry.granularity, "layout": entry.layout, "arrays": {
-                "bits": write_array(d / "bits", np.asarray(entry.bits)),
-                "scale": write_array(d / "scale", np.asarray(entry.scale, np.float32))}}
+      meta = _packed_meta(d, entry)
+    elif factors_io.is_low_rank(entry):
+      packed = getattr(entry, "packed", None)
+      meta = factors_io.write_factors(d, getattr(entry, "lora", entry), write_array)
+      if packed is not None:  # 1-bit + low rank: both parts' arrays under one tensor
+        if tuple(packed.shape) != tuple(meta["shape"]):
+          raise DeltaStoreError(f"tensor {name!r}: 1-bit part {list(packed.shape)} and low-rank "
+                                f"part {meta['shape']} differ in shape")
+        pm = _packed_meta(d, packed)
+        meta = {**pm, **meta, "kind": "residual", "arrays": {**pm["arrays"], **meta["arrays"]}}
     else:
       arrays = {}
       for field in ("value", "extra_rows"):
@@ -136,6 +155,10 @@ class DeltaWriter(AtomicDir):
 
   def finish(self, *, base_fingerprint: dict, report: Report, policy: dict,
              extra: Mapping[str, Any] | None = None) -> dict:
+    """Writes manifest.json and commits. ``mode`` (from the policy, else "bitdelta") and
+    ``lora_rank`` (the largest factor rank of any tensor, 0 for none) are recorded so a server
+    sizes its LoRA slots before loading any array."""
+    ranks = [t.get("rank", 0) for t in self.tensors.values()]
     manifest = {
       "format": FORMAT_NAME,
       "format_version": FORMAT_VERSION,
@@ -146,6 +169,8 @@ class DeltaWriter(AtomicDir):
       "scales": {"method": "mean_abs", "note": "alpha = mean|delta| (L2-optimal)"},
       "tensors": self.tensors,
       "report": report.to_dict(),
+      "mode": policy.get("mode", "bitdelta"),
+      "lora_rank": max(ranks, default=0),
       **(extra or {}),
     }
     (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -183,6 +208,10 @@ def load_entry(path: Path, name: str, meta: Mapping, *, verify: bool = True) -> 
   for field in arrays:
     if not (d / field).exists():
       raise DeltaStoreError(f"{d / field}: array for tensor {name!r} is missing")
+  if meta["kind"] in ("residual", "lora"):
+    from bitdelta_jax.delta import factors_io
+
+    return factors_io.read_entry(d, meta, lambda f: read_array(d / f, arrays[f], verify=verify))
   if meta["kind"] == "packed":
     return PackedDelta(
       bits=read_array(d / "bits", arrays["bits"], verify=verify),
