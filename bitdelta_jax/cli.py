@@ -18,8 +18,29 @@ EXIT_BAD_INPUT = 2
 def _policy(args):
   from bitdelta_jax.delta.compress import CompressPolicy
 
+  mode = getattr(args, "mode", "bitdelta")
+  extra = {}
+  if mode == "bitdelta" and (args.budget is not None or args.rank):
+    raise ValueError("--rank and --budget are for --mode dqrelo, svd or delta-come")
+  if mode != "bitdelta":
+    extra = dict(mode=mode, rank=args.rank or 0, budget=args.budget, iters=args.iters,
+                 factor_width=0 if args.factor_bits == "mixed" else int(args.factor_bits),
+                 factor_dtype=args.factor_dtype)
   return CompressPolicy(granularity=args.scale.replace("per-", ""), group_k=args.group_k,
-                        dense=args.dense)
+                        dense=args.dense, **extra)
+
+
+def _fraction(text: str) -> float:
+  """``1/15`` or ``0.0667`` → a fraction in (0, 1]."""
+  try:
+    num, _, den = text.partition("/")
+    value = float(num) / float(den) if den else float(num)
+  except (ValueError, ZeroDivisionError):
+    raise argparse.ArgumentTypeError(
+      f"expected a fraction like 1/15 or 0.0667, got {text!r}") from None
+  if not 0 < value <= 1:
+    raise argparse.ArgumentTypeError(f"the budget must be in (0, 1], got {text!r}")
+  return value
 
 
 def _print_pair_messages(m: dict) -> None:
@@ -31,13 +52,16 @@ def _print_pair_messages(m: dict) -> None:
 
 def cmd_compress(args) -> int:
   from bitdelta_jax.delta.report import Report
-  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.delta.residual_stream import compress_checkpoints
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
                            overwrite=args.overwrite, progress=not args.quiet)
   _print_pair_messages(m)
   if not args.quiet:
     print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
+    if m.get("mode", "bitdelta") != "bitdelta":
+      print(f"mode {m['mode']}: serving needs lora_rank >= {m['lora_rank']} "
+            f"(the server reads it from the manifest)")
     print(f"wrote {args.out}")
   return 0
 
@@ -105,6 +129,25 @@ def build_parser() -> argparse.ArgumentParser:
                  help="rows per bit-plane group, a multiple of 8 (default: %(default)s)")
   c.add_argument("--dense", choices=("value", "delta"), default="value",
                  help="store changed non-linear tensors as the fine-tuned value or a dense delta "
+                 "(default: %(default)s)")
+  c.add_argument("--mode", choices=("bitdelta", "dqrelo", "svd", "delta-come"),
+                 default="bitdelta",
+                 help="how linear weights are compressed: bitdelta = α·sign(Δ); dqrelo = 1-bit "
+                 "plus a compensated low-rank residual; svd = truncated SVD; delta-come = "
+                 "singular vectors at mixed precision (needs --budget). Modes other than "
+                 "bitdelta are served from a model's LoRA slots (default: %(default)s)")
+  c.add_argument("--rank", type=int, default=None, metavar="R",
+                 help="rank of the low-rank part for dqrelo/svd (ignored with --budget)")
+  c.add_argument("--budget", type=_fraction, default=None, metavar="FRACTION",
+                 help="bytes per linear weight as a fraction of its bf16 bytes, e.g. 1/15; sets "
+                 "the rank (and for mixed factor bits, the bits per singular vector)")
+  c.add_argument("--factor-bits", choices=("16", "8", "4", "2", "mixed"), default="16",
+                 help="storage of the low-rank factors: 16-bit floats, a uniform code per "
+                 "singular vector, or mixed widths chosen within --budget (default: %(default)s)")
+  c.add_argument("--factor-dtype", choices=("bfloat16", "float16"), default="bfloat16",
+                 help="float type of 16-bit factors (default: %(default)s)")
+  c.add_argument("--iters", type=int, default=2, metavar="N",
+                 help="dqrelo: alternations between the low-rank part and the signs/α "
                  "(default: %(default)s)")
   c.add_argument("--overwrite", action="store_true", help="replace --out if it is a delta")
   c.add_argument("--quiet", action="store_true",

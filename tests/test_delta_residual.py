@@ -213,3 +213,23 @@ def test_policy_validation():
   with pytest.raises(ValueError, match="exceeds the budget"):
     compress_linear(_delta(), ModeSpec("dqrelo", budget=1 / 20))
   assert isinstance(compress_linear(_delta(), ModeSpec("dqrelo", budget=1 / 15)), PackedDelta)
+
+
+def test_cli_compress_modes(tmp_path, capsys):
+  from bitdelta_jax.cli import EXIT_BAD_INPUT, main
+
+  b, f = write_pair(tmp_path, SyntheticConfig(hidden_size=32, intermediate_size=64, vocab_size=64))
+  args = ["compress", "--base", str(b), "--finetuned", str(f), "--quiet"]
+  assert main([*args, "--out", str(tmp_path / "d"), "--mode", "dqrelo", "--budget", "1/8",
+               "--factor-bits", "mixed", "--scale", "per-column"]) == 0
+  m = read_manifest(tmp_path / "d")
+  assert (m["mode"], m["policy"]["budget"], m["policy"]["factor_width"]) == ("dqrelo", 1 / 8, 0)
+  delta, _ = load_delta(tmp_path / "d")
+  assert m["lora_rank"] == residual.lora_rank_of(delta.values()) > 0
+  assert all(stored_nbytes(e) <= 2 * np.prod(e.packed.shape) / 8
+             for e in delta.values() if isinstance(e, ResidualEntry))
+  assert main([*args, "--out", str(tmp_path / "e"), "--mode", "svd"]) == EXIT_BAD_INPUT
+  assert "needs --rank" in capsys.readouterr().err
+  assert main([*args, "--out", str(tmp_path / "e"), "--budget", "1/8"]) == EXIT_BAD_INPUT
+  with pytest.raises(SystemExit):
+    main([*args, "--out", str(tmp_path / "e"), "--mode", "svd", "--budget", "2/1"])
