@@ -188,3 +188,150 @@ def test_page_pool_refcounts_and_prefix_cache():
   pool.allocate()
   pool.allocate()  # evicts the least recently released cached pages
   assert pool.lookup(hs) == []
+
+
+# -- issue 13: log probabilities, n choices sharing a prefill, logit controls, grammar masks -----
+def _log_softmax(x):
+  x = np.asarray(x, np.float64)
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def llama_model(llama_path):
+  return from_pretrained(llama_path[1], jnp.float32)
+
+
+def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model):
+  gen = PagedGenerator(llama_model, max_rows=2, max_seq_len=48, page_size=4, prefill_chunk=8,
+                       min_pages_bucket=2)
+  prompt = list(RNG.randint(3, 256, 19))  # 3 prefill chunks
+  gen.generate([prompt], params=SamplingParams(max_new_tokens=2))  # its pages are now cached
+  p = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, logprobs=3, prompt_logprobs=2)
+  s = gen.add(prompt, params=p)
+  while len(s.generated) < 5:
+    gen.step()
+  gen.finish(s)
+  ids = prompt + s.generated
+  lsm = _log_softmax(model_fixtures.forward(llama_model, np.asarray([ids]))[0])
+  assert sorted(s.prompt_logprobs) == list(range(1, len(prompt)))
+  for q, (lp, top_ids, top_lps) in s.prompt_logprobs.items():
+    np.testing.assert_allclose(lp, lsm[q - 1, ids[q]], rtol=1e-4, atol=1e-4)
+    assert top_ids == list(np.argsort(-lsm[q - 1], kind="stable")[:2])
+    np.testing.assert_allclose(top_lps, lsm[q - 1, top_ids], rtol=1e-4, atol=1e-4)
+  assert len(s.token_logprobs) == 5
+  for i, (lp, top_ids, _) in enumerate(s.token_logprobs):
+    at = len(prompt) - 1 + i
+    np.testing.assert_allclose(lp, lsm[at, ids[at + 1]], rtol=1e-4, atol=1e-4)
+    assert len(top_ids) == 3 and top_ids[0] == int(lsm[at].argmax())
+
+
+def test_scoring_only_request_generates_nothing(llama_model):
+  gen = PagedGenerator(llama_model, max_rows=2, max_seq_len=32, page_size=4, min_pages_bucket=2)
+  res = gen.generate([PROMPTS[1]], params=SamplingParams(max_new_tokens=0, prompt_logprobs=0))
+  assert res[0].tokens == [] and res[0].finish_reason == "length"
+
+
+def test_n_choices_share_the_prefill_and_equal_separate_runs(llama_model):
+  from bitdelta_jax.models.paged import prng_key
+
+  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=16,
+                       min_pages_bucket=2, prefix_caching=False)
+  prompt = PROMPTS[2]  # 14 tokens: 3 full pages + a partial one (copied per choice)
+  p = SamplingParams(temperature=1.0, seed=11, max_new_tokens=6)
+  group = gen.add_n(prompt, 0, p, ["a", "b", "c", "d", "e"])  # 5 choices, 4 rows
+  prefill_tokens = 0
+  while gen.has_work:
+    res = gen.step()
+    prefill_tokens += res.prefill_tokens
+    for s, _ in res.tokens:
+      if len(s.generated) == 6:
+        gen.finish(s)
+  assert prefill_tokens == len(prompt)  # one prefill for all five
+  assert gen.pool.used == 0
+  outs = [s.generated for s in group]
+  assert len({tuple(o) for o in outs}) > 1
+  assert outs[0] == gen.generate([prompt], params=p)[0].tokens  # choice 0 = the single answer
+  for i in (1, 4):  # every choice equals a sequence run alone with that choice's key
+    s = gen.add(prompt, params=p)
+    s.key = prng_key(p.seed, i)
+    while len(s.generated) < 6:
+      gen.step()
+    gen.finish(s)
+    assert s.generated == outs[i]
+
+
+def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model):
+  """Greedy decoding with the controls: every token is the argmax of the full-forward logits
+  with the controls applied by numpy (tests/test_models_sampling.py's reference)."""
+  from test_models_sampling import numpy_controls
+
+  from bitdelta_jax.models.controls import LogitControls
+
+  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=40, page_size=4, min_pages_bucket=2)
+  prompt = PROMPTS[1]
+  plain = gen.generate([prompt], params=SamplingParams(max_new_tokens=8))[0].tokens
+  stop = plain[0]
+  cases = [
+    SamplingParams(max_new_tokens=8, repetition_penalty=1.5, frequency_penalty=0.4),
+    SamplingParams(max_new_tokens=8, presence_penalty=1.0, logit_bias=((plain[1], 2.5),)),
+    SamplingParams(max_new_tokens=8, stop_token_ids=(stop,), min_tokens=3,
+                   frequency_penalty=-0.5),
+  ]
+  res = gen.generate([prompt] * 3 + [PROMPTS[0]], params=cases + [SamplingParams(max_new_tokens=8)])
+  assert res[3].tokens == gen.generate([PROMPTS[0]], params=SamplingParams(max_new_tokens=8))[
+    0].tokens  # a plain row beside controlled ones is unaffected
+  for p, r in zip(cases, res):
+    toks = r.tokens + ([stop] if r.finish_reason == "stop" else [])
+    ids = prompt + toks
+    logits = model_fixtures.forward(llama_model, np.asarray([ids]))[0]
+    for i, t in enumerate(toks):
+      c = LogitControls.neutral(1, logits.shape[-1], 40)
+      bias = list(p.logit_bias) + ([(x, -np.inf) for x in p.stop_token_ids]
+                                   if i < p.min_tokens else [])
+      for j, (b, v) in enumerate(bias):
+        c.bias_ids[0, j], c.bias_vals[0, j] = b, v
+      c.history[0, : len(prompt) + i] = ids[: len(prompt) + i]
+      c.prompt_len[0] = len(prompt)
+      c.presence[0], c.frequency[0] = p.presence_penalty, p.frequency_penalty
+      c.repetition[0] = p.repetition_penalty
+      want = numpy_controls(logits[None, len(prompt) - 1 + i], c)[0]
+      assert t == int(want.argmax()), (p, i)
+  assert stop not in res[2].tokens[:3]
+  assert res[0].tokens != plain
+
+
+class EvenTokens:
+  """A stand-in grammar: only even token ids, finished after 4 tokens."""
+
+  def matcher(self):
+    return self
+
+  def __init__(self):
+    self.n = 0
+
+  def fill_bitmask(self, words):
+    words[:] = np.int32(0x55555555)
+
+  def accept(self, tok):
+    assert tok % 2 == 0
+    self.n += 1
+
+  def is_finished(self):
+    return self.n >= 4
+
+
+def test_grammar_mask_constrains_each_row_and_stops_it(llama_model):
+  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=40, page_size=4, min_pages_bucket=2)
+
+  class Grammar:
+    def matcher(self):
+      return EvenTokens()
+
+  p = SamplingParams(temperature=1.0, seed=1, max_new_tokens=10, grammar=Grammar())
+  free = SamplingParams(temperature=1.0, seed=1, max_new_tokens=10)
+  res = gen.generate([PROMPTS[0], PROMPTS[0], PROMPTS[3]], params=[p, free, p])
+  for r in (res[0], res[2]):
+    assert len(r.tokens) == 4 and r.finish_reason == "stop"
+    assert all(t % 2 == 0 for t in r.tokens)
+  assert len(res[1].tokens) == 10 and any(t % 2 for t in res[1].tokens)

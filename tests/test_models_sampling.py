@@ -42,7 +42,14 @@ def test_params_are_validated():
   with pytest.raises(ValueError, match="top_p"):
     SamplingParams(top_p=0.0)
   with pytest.raises(ValueError, match="max_new_tokens"):
-    SamplingParams(max_new_tokens=0)
+    SamplingParams(max_new_tokens=-1)
+  SamplingParams(max_new_tokens=0)  # a scoring request: prompt log probabilities only
+  with pytest.raises(ValueError, match="repetition_penalty"):
+    SamplingParams(repetition_penalty=0.0)
+  with pytest.raises(ValueError, match="logprobs"):
+    SamplingParams(logprobs=21)
+  with pytest.raises(ValueError, match="at most"):
+    SamplingParams(logit_bias=tuple((i, 1.0) for i in range(400)))
 
 
 @pytest.mark.parametrize("scale", [0.2, 1.0, 4.0, 12.0])
@@ -83,3 +90,117 @@ def test_top_k_and_top_p_supports_match_numpy():
     before = np.cumsum(p) - p
     n = int(np.sum((before < tp[i]) | (np.arange(k) == 0)))
     assert x[i][out[i]] >= x[i][order[n - 1]]
+
+
+# -- logit controls: mask, bias (min_tokens), penalties; log probabilities ----------------------
+def _controls(rng, r, v, h=24):
+  """Random per-row controls, each row using a random subset (some rows none at all)."""
+  from bitdelta_jax.models.controls import LogitControls, mask_words
+
+  c = LogitControls.neutral(r, v, h)
+  for i in range(r):
+    if rng.random() < 0.4:  # a token mask (at least one allowed token)
+      allowed = rng.random(v) < 0.3
+      allowed[rng.integers(v)] = True
+      bits = np.zeros(mask_words(v) * 32, bool)
+      bits[:v] = allowed
+      c.mask[i] = _pack(bits)
+    if rng.random() < 0.5:
+      k = int(rng.integers(1, 8))
+      c.bias_ids[i, :k] = rng.integers(0, v, k)
+      c.bias_vals[i, :k] = rng.choice([-100.0, -np.inf, -2.0, 3.0, 100.0], k)
+    if rng.random() < 0.6:
+      n = int(rng.integers(1, h))
+      c.history[i, :n] = rng.integers(0, v, n)
+      c.prompt_len[i] = int(rng.integers(0, n + 1))
+      c.presence[i] = rng.choice([0.0, 0.5, -1.0, 2.0])
+      c.frequency[i] = rng.choice([0.0, 0.3, -0.7, 2.0])
+      c.repetition[i] = rng.choice([1.0, 1.3, 0.8, 2.0])
+  return c
+
+
+def _pack(bits: np.ndarray) -> np.ndarray:
+  """Bit ``j`` of word ``w`` = ``bits[32 w + j]``, as int32 words."""
+  b = bits.reshape(-1, 32).astype(np.uint64)
+  return (b << np.arange(32, dtype=np.uint64)).sum(-1).astype(np.uint32).view(np.int32)
+
+
+def numpy_controls(x: np.ndarray, c) -> np.ndarray:
+  """The controls written from their definitions (vLLM's order: mask, bias, penalties)."""
+  x = x.astype(np.float32).copy()
+  r, v = x.shape
+  for i in range(r):
+    words = np.asarray(c.mask[i]).view(np.uint32)
+    allowed = ((words[np.arange(v) // 32] >> (np.arange(v) % 32).astype(np.uint32)) & 1) == 1
+    x[i, ~allowed] = -np.inf
+    for t, b in zip(c.bias_ids[i], c.bias_vals[i]):
+      if t >= 0:
+        x[i, t] += b
+    hist = [int(t) for t in c.history[i] if t >= 0]
+    prompt, out = hist[: c.prompt_len[i]], hist[c.prompt_len[i]:]
+    counts = np.bincount(np.asarray(out, np.int64), minlength=v).astype(np.float32)[:v]
+    seen = np.zeros(v, bool)
+    seen[prompt + out] = True
+    rep = np.float32(c.repetition[i])
+    x[i, seen] = np.where(x[i, seen] > 0, x[i, seen] / rep, x[i, seen] * rep)
+    x[i] -= np.float32(c.frequency[i]) * counts
+    x[i] -= np.float32(c.presence[i]) * (counts > 0)
+  return x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_controls_equal_numpy_and_fast_sampler_equals_reference(seed):
+  from bitdelta_jax.models.controls import apply_controls
+  from bitdelta_jax.models.sampling import sample_reference
+
+  r, v = 48, 700
+  rng = np.random.default_rng(seed)
+  x = (rng.normal(size=(r, v)) * 3).astype(np.float32)
+  c = _controls(rng, r, v)
+  cj = jax.tree.map(jnp.asarray, c)
+  got = np.asarray(jax.jit(lambda x, c: apply_controls(x, c, fast=True))(x, cj))
+  np.testing.assert_allclose(got, numpy_controls(x, c), rtol=1e-6, atol=1e-5)
+  ref_x = np.asarray(jax.jit(lambda x, c: apply_controls(x, c, fast=False))(x, cj))
+  np.testing.assert_array_equal(got, ref_x)
+  keys = jnp.asarray(rng.integers(0, 2**32, size=(r, 2), dtype=np.uint32))
+  t = jnp.asarray(rng.choice([0.0, 0.7, 1.0], r), jnp.float32)
+  tp = jnp.asarray(rng.choice([1.0, 0.9, 0.5], r), jnp.float32)
+  tk = jnp.asarray(rng.choice([0, 5, 100], r), jnp.int32)
+  fast = np.asarray(jax.jit(sample)(x, keys, t, tp, tk, cj))
+  ref = np.asarray(jax.jit(sample_reference)(x, keys, t, tp, tk, cj))
+  np.testing.assert_array_equal(fast, ref)
+  want = numpy_controls(x, c)
+  greedy = np.asarray(t) == 0
+  np.testing.assert_array_equal(fast[greedy], want.argmax(-1)[greedy])
+  assert np.all(np.isfinite(want[np.arange(r), fast]))  # never a masked / -inf token
+
+
+def test_neutral_controls_change_nothing():
+  from bitdelta_jax.models.controls import LogitControls
+
+  r, v = 16, 300
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(r, v)) * 2, jnp.float32)
+  keys = jnp.asarray(rng.integers(0, 2**32, size=(r, 2), dtype=np.uint32))
+  t, tp, tk = jnp.ones(r), jnp.full(r, 0.9), jnp.zeros(r, jnp.int32)
+  c = jax.tree.map(jnp.asarray, LogitControls.neutral(r, v, 8))
+  np.testing.assert_array_equal(np.asarray(sample(x, keys, t, tp, tk, c)),
+                                np.asarray(sample(x, keys, t, tp, tk)))
+
+
+def test_logprobs_are_the_raw_log_softmax():
+  from bitdelta_jax.models.controls import logprobs_of
+
+  r, v = 6, 50
+  rng = np.random.default_rng(2)
+  x = rng.normal(size=(r, v)).astype(np.float32) * 3
+  tok = rng.integers(0, v, r).astype(np.int32)
+  chosen, ids, vals = (np.asarray(a) for a in logprobs_of(jnp.asarray(x), jnp.asarray(tok),
+                                                         jnp.asarray([True] * r)))
+  lsm = x - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)) - x.max(
+    -1, keepdims=True)
+  np.testing.assert_allclose(chosen, lsm[np.arange(r), tok], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(ids, np.argsort(-lsm, -1, kind="stable")[:, :20])
+  np.testing.assert_allclose(vals, np.take_along_axis(lsm, ids, -1), rtol=1e-5, atol=1e-5)
+  skipped = logprobs_of(jnp.asarray(x), jnp.asarray(tok), jnp.zeros(r, bool))
+  assert not np.any(np.asarray(skipped[0]))

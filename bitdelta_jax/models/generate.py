@@ -156,6 +156,21 @@ def per_request(prompts, slot_ids, params, tokenizer) -> tuple[list[int], list[S
   return slots, plist
 
 
+def fixed_rows_refusal(params: SamplingParams) -> str | None:
+  """Why the fixed-row generator (meshes, several processes) cannot serve ``params``, or None:
+  logit controls, log probabilities and structured output exist only in the paged engine."""
+  used = [name for name, on in (
+    ("presence/frequency/repetition penalties", params.penalised),
+    ("logit_bias", bool(params.logit_bias)), ("min_tokens", params.min_tokens > 0),
+    ("logprobs", params.logprobs is not None or params.prompt_logprobs is not None),
+    ("response_format", params.grammar is not None),
+    ("max_tokens=0", params.max_new_tokens == 0)) if on]
+  if not used:
+    return None
+  return (f"{', '.join(used)} {'is' if len(used) == 1 else 'are'} not supported by the "
+          "fixed-row engine (a mesh or several processes); the single-device engine has them")
+
+
 class Generator:
   """Bucketed prefill + batched decode over a `LlamaForCausalLM`; see the module docstring."""
 
@@ -229,6 +244,9 @@ class Generator:
       raise ValueError("empty prompt")
     if not 0 <= slot < self.model.config.num_slots:
       raise ValueError(f"slot {slot} out of range [0, {self.model.config.num_slots})")
+    why = fixed_rows_refusal(params)
+    if why:
+      raise ValueError(why)
     bucket = self.bucket_for(n)
     tokens = np.zeros((1, bucket), np.int32)
     tokens[0, :n] = prompt

@@ -77,6 +77,13 @@ class PagePool:
     self.refs[page] = 1
     return page
 
+  def share(self, pages: Sequence[int]) -> None:
+    """One more reference to each of ``pages`` (held pages, e.g. a prompt forked into n)."""
+    for p in pages:
+      if self.refs[p] <= 0:
+        raise ValueError(f"page {p} is not held; only held pages can be shared")
+      self.refs[p] += 1
+
   def release(self, pages: Sequence[int]) -> None:
     for p in pages:
       self.refs[p] -= 1

@@ -267,7 +267,8 @@ class LlamaForCausalLM(nnx.Module):
     Each new token's K/V is written to its (page, offset) first; then every row gathers its
     pages ``[P, page_size]`` and each query attends to the keys of its own sequence
     (``key_seq == query_seq``) at positions ``<=`` its own (and inside a sliding window).
-    Returns f32 logits at ``batch.out_index`` (flat indices into ``[B*T]``) and the pools.
+    Returns f32 logits at ``batch.out_index`` (flat indices into ``[B*T]``) followed by those
+    at ``batch.score_index`` (``[N + M, V]``), and the pools.
     """
     ids = batch.tokens.astype(jnp.int32)
     b, t = ids.shape
@@ -291,7 +292,10 @@ class LlamaForCausalLM(nnx.Module):
 
     slot_ids = None if base_only else batch.slot_ids
     h = self._hidden(ids, pos, slot_ids, attend)
-    h_out = h.reshape(b * t, -1)[batch.out_index]
-    out_slots = None if base_only else batch.out_slot_ids
-    logits = self._logits(h_out[:, None], out_slots)[:, 0]
+    out_index, out_slots = batch.out_index, batch.out_slot_ids
+    if batch.score_index.shape[0]:  # prompt positions scored for their log probabilities
+      out_index = jnp.concatenate([out_index, batch.score_index])
+      out_slots = jnp.concatenate([out_slots, batch.score_slot_ids])
+    h_out = h.reshape(b * t, -1)[out_index]
+    logits = self._logits(h_out[:, None], None if base_only else out_slots)[:, 0]
     return logits, cache["k"], cache["v"]

@@ -2,6 +2,7 @@
 
     gen = PagedGenerator(model, max_rows=32, max_seq_len=2048, tokenizer=tok)
     seq = gen.add(prompt_ids, slot=1, params=SamplingParams(...))
+    seqs = gen.add_n(prompt_ids, 1, params, tags=[...])   # n choices, one prefill
     while gen.has_work:
       for seq, token in gen.step().tokens: ...        # the caller applies stops, then
       gen.finish(seq)                                  # frees (and caches) its pages
@@ -26,14 +27,25 @@ published for prefix reuse per variant: a prompt that starts like an earlier one
 prompt, a few-shot header, a previous turn) skips those pages. When the pool runs dry the newest
 sequence is preempted (its pages freed, and it is recomputed later from its tokens so far).
 
+Per request (`SamplingParams`): **n choices** (`add_n`) share one prefill: choice 0 computes
+the prompt, the others draw their first token from the same logits with their own keys and
+take copies of its page table (full pages by reference count, the last partial page copied on
+device). **Logit controls** (token mask of a grammar, logit bias, min_tokens, penalties) are
+per-row fixed-shape arrays of the same call (`bitdelta_jax.models.controls`); a batch without
+any reuses cached neutral device arrays, so plain decoding pays nothing for them. **Log
+probabilities** of the sampled tokens come back from the same call when a row asks; prompt
+log probabilities (``echo``) are computed at extra output positions of the prefill calls (such
+a prompt is always computed in full, never taken from the prefix cache). A grammar's
+``Matcher`` fills its row's mask before each call and accepts the token after it.
+
 Compiles are bounded by the buckets: (rows, 1, pages) for decode and (slots, tokens, pages) for
-prefill, each also in a base-only form (no variant rows: the delta kernels are skipped). The
-greedy/sampled choice is per row inside the step (`bitdelta_jax.models.sampling.sample`).
+prefill, each also in a base-only form (no variant rows: the delta kernels are skipped), plus
+one per bucket of scored prompt positions (16, 32, ...) for echo requests. The greedy/sampled
+choice is per row inside the step (`bitdelta_jax.models.sampling.sample`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 from collections import deque
@@ -45,41 +57,20 @@ import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
+from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.generate import Generation, per_request
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
-from bitdelta_jax.models.sampling import SamplingParams, row_keys, sample
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PagedBatch:
-  """One call's inputs. B rows of T new tokens; each row reads P pages; N outputs."""
-
-  tokens: jax.Array  # int32 [B, T]
-  positions: jax.Array  # int32 [B, T] position of each token in its own sequence
-  seq: jax.Array  # int32 [B, T] sequence index within the row (-1: padding)
-  write_page: jax.Array  # int32 [B, T] where each token's K/V goes (page 0: padding)
-  write_offset: jax.Array  # int32 [B, T]
-  pages: jax.Array  # int32 [B, P] pages the row reads
-  page_seq: jax.Array  # int32 [B, P] sequence each page belongs to (-2: padding)
-  page_start: jax.Array  # int32 [B, P] position of the page's first token
-  page_fill: jax.Array  # int32 [B, P] valid tokens in the page after this call's writes
-  slot_ids: jax.Array  # int32 [B]
-  out_index: jax.Array  # int32 [N] flat index into [B*T] of each output token
-  out_slot_ids: jax.Array  # int32 [N]
-  keys: jax.Array  # uint32 [N, 2] the request's PRNGKey(seed)
-  key_pos: jax.Array  # int32 [N] position of the token being drawn
-  temperature: jax.Array  # f32 [N]
-  top_p: jax.Array  # f32 [N]
-  top_k: jax.Array  # int32 [N]
-
-
-def _run_impl(graphdef, state, k_pool, v_pool, batch: PagedBatch, base_only: bool):
-  model = nnx.merge(graphdef, state)
-  logits, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only)
-  keys = row_keys(batch.keys, batch.key_pos)
-  tok = sample(logits, keys, batch.temperature, batch.top_p, batch.top_k)
-  return k_pool, v_pool, tok
+from bitdelta_jax.models.paged_batch import (
+  PagedBatch,
+  Seq,
+  StepResult,
+  copy_pages_impl,
+  fill_mask,
+  finish_reason,
+  prng_key,
+  run_impl,
+)
+from bitdelta_jax.models.sampling import SamplingParams
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -87,45 +78,6 @@ def _pow2(n: int, lo: int = 1) -> int:
   while b < n:
     b *= 2
   return b
-
-
-def prng_key(seed: int) -> np.ndarray:
-  """``jax.random.PRNGKey(seed)`` (threefry) as host data."""
-  return np.asarray(jax.random.key_data(jax.random.PRNGKey(seed)), np.uint32)
-
-
-@dataclasses.dataclass(eq=False)
-class Seq:
-  """One sequence in the scheduler. ``tokens`` = prompt + generated; the first ``n_cached``
-  have their K/V in ``pages``."""
-
-  prompt: list[int]
-  slot: int
-  params: SamplingParams
-  key: np.ndarray
-  variant_key: tuple
-  order: int
-  tag: object = None
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  pages: list[int] = dataclasses.field(default_factory=list)
-  hashes: list[bytes] = dataclasses.field(default_factory=list)
-  n_cached: int = 0
-  finished: bool = False
-
-  @property
-  def generated(self) -> list[int]:
-    return self.tokens[len(self.prompt):]
-
-  @property
-  def pending(self) -> int:
-    return len(self.tokens) - self.n_cached
-
-
-@dataclasses.dataclass
-class StepResult:
-  tokens: list[tuple[Seq, int]]  # a new token of each sequence that produced one
-  errors: list[tuple[Seq, str]]  # sequences dropped by the scheduler (they hold no pages)
-  prefill_tokens: int = 0
 
 
 class PagedGenerator:
@@ -162,8 +114,11 @@ class PagedGenerator:
     self.k_pool = jnp.zeros(shape, model.dtype)
     self.v_pool = jnp.zeros(shape, model.dtype)
     self.graphdef, self.state = nnx.split(model)
-    self._run = jax.jit(functools.partial(_run_impl, self.graphdef),
+    self._run = jax.jit(functools.partial(run_impl, self.graphdef),
                         static_argnames=("base_only",), donate_argnums=(1, 2))
+    self._copy_pages = jax.jit(copy_pages_impl, donate_argnums=(0, 1))
+    self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
+    self._neutral: dict[int, LogitControls] = {}  # rows -> device arrays, reused every step
     self.slot_epoch = [0] * cfg.num_slots
     self.waiting: deque[Seq] = deque()
     self.running: list[Seq] = []
@@ -198,6 +153,14 @@ class PagedGenerator:
   # -- scheduling API -------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], slot: int = 0, params: SamplingParams = SamplingParams(),
           *, tag=None) -> Seq:
+    return self.add_n(prompt, slot, params, [tag])[0]
+
+  def add_n(self, prompt: Sequence[int], slot: int, params: SamplingParams,
+            tags: Sequence) -> list[Seq]:
+    """``len(tags)`` choices of one prompt that share its prefill: choice 0 computes the
+    prompt; when it is done every other choice draws its first token from the same logits (its
+    own key, `prng_key`) and takes a copy of choice 0's page table (full pages shared by
+    reference count, the partly filled last page copied)."""
     n = len(prompt)
     if n == 0:
       raise ValueError("empty prompt")
@@ -205,17 +168,33 @@ class PagedGenerator:
       raise ValueError(f"prompt of {n} tokens leaves no room in max_seq_len {self.max_seq_len}")
     if not 0 <= slot < len(self.slot_epoch):
       raise ValueError(f"slot {slot} out of range [0, {len(self.slot_epoch)})")
-    s = Seq(list(prompt), slot, params, prng_key(params.seed),
-            (slot, self.slot_epoch[slot]) if slot else (0,), next(self._order), tag)
-    s.tokens = list(prompt)
-    self.waiting.append(s)
-    return s
+    if not tags:
+      raise ValueError("at least one choice")
+    vkey = (slot, self.slot_epoch[slot]) if slot else (0,)
+    group = []
+    for i, tag in enumerate(tags):
+      s = Seq(list(prompt), slot, params, prng_key(params.seed, i), vkey, next(self._order), tag,
+              choice=i, leader=group[0] if group else None)
+      s.tokens = list(prompt)
+      if params.grammar is not None:
+        s.matcher = params.grammar.matcher()
+      group.append(s)
+    group[0].followers = group[1:]
+    self.waiting.append(group[0])
+    return group
 
   def finish(self, s: Seq) -> None:
-    """Drops a sequence (finished or cancelled) and releases its pages."""
+    """Drops a sequence (finished or cancelled) and releases its pages. Choices not yet forked
+    from it are dropped with it."""
     if s.finished:
       return
     s.finished = True
+    if s.leader is not None and s in s.leader.followers:  # not forked yet
+      s.leader.followers.remove(s)
+      return
+    for f in s.followers:
+      f.finished = True
+    s.followers = []
     if s in self.running:
       self.running.remove(s)
     else:
@@ -233,7 +212,7 @@ class PagedGenerator:
   def _admit(self) -> None:
     while self.waiting and len(self.running) < self.max_rows:
       s = self.waiting.popleft()
-      if not s.pages and s.n_cached == 0:
+      if not s.pages and s.n_cached == 0 and not s.scores_prompt:
         # reuse cached full pages, always leaving at least one token to compute
         full = (len(s.tokens) - 1) // self.page_size
         s.hashes = page_hashes(s.tokens, self.page_size, s.variant_key, full)
@@ -275,9 +254,10 @@ class PagedGenerator:
       if not ok:
         if not self.running and len(s.tokens) > (self.pool.num_pages - 1) * self.page_size:
           self.waiting.remove(s)
-          s.finished = True
-          errors.append((s, f"the KV cache ({self.pool.num_pages - 1} pages of "
-                            f"{self.page_size}) cannot hold a sequence of {len(s.tokens)} tokens"))
+          msg = (f"the KV cache ({self.pool.num_pages - 1} pages of {self.page_size}) cannot "
+                 f"hold a sequence of {len(s.tokens)} tokens")
+          errors.extend((x, msg) for x in [s, *s.followers])
+          self.finish(s)
         break
       if s.pending == 1:
         decode.append((s, 1))
@@ -299,20 +279,67 @@ class PagedGenerator:
       for group in self._prefill_groups(prefill):
         calls.append((group, self._prefill_batch(group)))
     pending_out = []
-    for work, (batch, outputs, base_only) in calls:
-      self.k_pool, self.v_pool, tok = self._run(self.state, self.k_pool, self.v_pool, batch,
+    for work, (batch, outputs, scored, base_only) in calls:
+      self.k_pool, self.v_pool, out = self._run(self.state, self.k_pool, self.v_pool, batch,
                                                 base_only=base_only)
       self.shapes_run.add((batch.tokens.shape, batch.pages.shape[1], len(outputs), base_only))
-      pending_out.append((work, outputs, tok))
+      pending_out.append((work, outputs, scored, out))
     result = StepResult([], errors, sum(n for _, n in prefill))
-    for work, outputs, tok in pending_out:
-      tok = np.asarray(tok)
+    copies: list[tuple[int, int]] = []
+    for work, outputs, scored, out in pending_out:
+      tok = np.asarray(out.tokens)
+      if any(s.params.logprobs is not None for s in outputs):
+        lp, ids, vals = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
+        for j, s in enumerate(outputs):
+          if s.params.logprobs is not None:
+            k = s.params.logprobs
+            s.token_logprobs.append((float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist()))
+      if scored:
+        lp, ids, vals = (np.asarray(a) for a in (out.score, out.score_top_ids,
+                                                 out.score_top_logprobs))
+        for j, (s, p) in enumerate(scored):
+          k = s.params.prompt_logprobs
+          s.prompt_logprobs[p] = (float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist())
       for s, n in work:
         self._advance(s, n)
       for j, s in enumerate(outputs):
-        s.tokens.append(int(tok[j]))
-        result.tokens.append((s, int(tok[j])))
+        if s.leader is not None and s in s.leader.followers:
+          self._fork(s, copies)
+        t = int(tok[j])
+        s.tokens.append(t)
+        if s.matcher is not None and not s.matcher.is_finished():
+          s.matcher.accept(t)
+        result.tokens.append((s, t))
+    if copies:
+      n = _pow2(len(copies))
+      src = np.zeros((n,), np.int32)  # padding copies the reserved page 0 onto itself
+      dst = np.zeros((n,), np.int32)
+      src[: len(copies)], dst[: len(copies)] = zip(*copies)
+      self.k_pool, self.v_pool = self._copy_pages(self.k_pool, self.v_pool, src, dst)
     return result
+
+  def _fork(self, s: Seq, copies: list) -> None:
+    """Gives choice ``s`` its leader's prompt pages (now computed): full pages by reference,
+    the partly filled last page as a copy (queued in ``copies``). With no page left for the
+    copy it starts from nothing instead (recomputed later, like a preempted sequence)."""
+    lead = s.leader
+    lead.followers.remove(s)
+    s.leader = None
+    full = lead.n_cached // self.page_size
+    shared = lead.pages[:full]
+    tail = []
+    if lead.n_cached % self.page_size:
+      try:
+        tail = [self.pool.allocate()]
+      except OutOfPages:
+        self.waiting.appendleft(s)
+        return
+      copies.append((lead.pages[full], tail[0]))
+    self.pool.share(shared)
+    s.pages = shared + tail
+    s.hashes = lead.hashes[:full]
+    s.n_cached = lead.n_cached
+    self.waiting.appendleft(s)  # admitted (with its pages) before anything new
 
   def _advance(self, s: Seq, n: int) -> None:
     """Marks ``n`` more tokens cached and publishes pages that became full."""
@@ -356,6 +383,7 @@ class PagedGenerator:
     pages = max(sum(len(s.pages) for s, _ in r) for r in rows)
     p = self._pages_bucket(max(pages, 2 * t // self.page_size))
     outputs = [s for r in rows for s, n in r if s.n_cached + n == len(s.tokens)]
+    outputs += [f for s in outputs for f in s.followers]  # n > 1: their first tokens
     return self._batch(rows, _pow2(len(rows)), t, p, outputs, out_rows=False)
 
   def _batch(self, rows, b: int, t: int, p: int, outputs, *, out_rows: bool):
@@ -371,6 +399,8 @@ class PagedGenerator:
     page_fill = np.zeros((b, p), np.int32)
     slot_ids = np.zeros((b,), np.int32)
     out_at: dict[int, int] = {}
+    scored: list[tuple[Seq, int]] = []  # (seq, prompt position whose logprob is computed)
+    score_index: list[int] = []
     for r, work in enumerate(rows):
       slot_ids[r] = work[0][0].slot
       col = pcol = 0
@@ -387,6 +417,10 @@ class PagedGenerator:
         page_start[r, pcol : pcol + k] = np.arange(k) * ps
         page_fill[r, pcol : pcol + k] = np.clip(s.n_cached + n - np.arange(k) * ps, 0, ps)
         out_at[id(s)] = r * t + col + n - 1
+        if s.scores_prompt:  # position q's logits score prompt token q + 1
+          for q in range(s.n_cached, min(s.n_cached + n, len(s.prompt) - 1)):
+            scored.append((s, q + 1))
+            score_index.append(r * t + col + q - s.n_cached)
         col += n
         pcol += k
     nout = _pow2(len(outputs)) if not out_rows else b
@@ -397,16 +431,50 @@ class PagedGenerator:
     temp = np.zeros((nout,), np.float32)
     top_p = np.ones((nout,), np.float32)
     top_k = np.zeros((nout,), np.int32)
+    want_lp = np.zeros((nout,), bool)
     for j, s in enumerate(outputs):
-      out_index[j] = out_at[id(s)]
+      out_index[j] = out_at[id(s if s.leader is None else s.leader)]
       out_slot[j] = s.slot
       keys[j] = s.key
       key_pos[j] = len(s.tokens)
       temp[j], top_p[j], top_k[j] = s.params.temperature, s.params.top_p, s.params.top_k
+      want_lp[j] = s.params.logprobs is not None
+    m = _pow2(len(scored), 16) if scored else 0
+    s_index = np.zeros((m,), np.int32)
+    s_slot = np.zeros((m,), np.int32)
+    s_target = np.zeros((m,), np.int32)
+    for j, ((s, p_), i) in enumerate(zip(scored, score_index)):
+      s_index[j], s_slot[j], s_target[j] = i, s.slot, s.prompt[p_]
     batch = PagedBatch(tokens, positions, seq, wpage, woff, pages, page_seq, page_start,
-                       page_fill, slot_ids, out_index, out_slot, keys, key_pos, temp, top_p, top_k)
+                       page_fill, slot_ids, out_index, out_slot, keys, key_pos, temp, top_p, top_k,
+                       self._controls(outputs, nout), want_lp, s_index, s_slot, s_target)
     base_only = not any(s.slot for work in rows for s, _ in work)
-    return batch, outputs, base_only
+    return batch, outputs, scored, base_only
+
+  def _controls(self, outputs: Sequence[Seq], nout: int) -> LogitControls:
+    """The outputs' logit controls: the cached neutral (device) arrays when no output uses
+    any, else host arrays with each controlled row filled in."""
+    if nout not in self._neutral:
+      self._neutral[nout] = jax.device_put(
+        LogitControls.neutral(nout, self.vocab_size, self.max_seq_len))
+    if not any(s.params.controlled for s in outputs):
+      return self._neutral[nout]
+    c = LogitControls.neutral(nout, self.vocab_size, self.max_seq_len)
+    for j, s in enumerate(outputs):
+      p = s.params
+      if s.matcher is not None:
+        fill_mask(s.matcher, c.mask[j], self.vocab_size)
+      bias = list(p.logit_bias)
+      if len(s.generated) < p.min_tokens:
+        bias += [(t, -np.inf) for t in p.stop_token_ids]
+      if bias:
+        c.bias_ids[j, : len(bias)], c.bias_vals[j, : len(bias)] = zip(*bias)
+      if p.penalised:
+        c.history[j, : len(s.tokens)] = s.tokens
+        c.prompt_len[j] = len(s.prompt)
+        c.presence[j], c.frequency[j] = p.presence_penalty, p.frequency_penalty
+        c.repetition[j] = p.repetition_penalty
+    return c
 
   # -- warm-up --------------------------------------------------------------------------------
   def warmup(self, *, decode_rows: Sequence[int] | None = None, prompt_tokens=(16,),
@@ -455,18 +523,3 @@ class PagedGenerator:
     return results  # type: ignore[return-value]
 
 
-def finish_reason(s: Seq, max_seq_len: int, tokenizer=None):
-  """(reason, tokens, text) when ``s``'s last token ends it, else None. A stop token is not
-  returned; text is cut before a stop string."""
-  p, gen = s.params, s.generated
-  if gen[-1] in p.stop_token_ids:
-    toks = gen[:-1]
-    return "stop", toks, tokenizer.decode(toks) if tokenizer is not None else None
-  text = tokenizer.decode(gen) if tokenizer is not None else None
-  if p.stop_strings:
-    hits = [text.find(x) for x in p.stop_strings if x and x in text]
-    if hits:
-      return "stop", list(gen), text[: min(hits)]
-  if len(gen) >= p.max_new_tokens or len(s.tokens) >= max_seq_len:
-    return "length", list(gen), text
-  return None

@@ -1,6 +1,11 @@
 """Per-row token sampling: greedy, temperature, top-k, top-p, each row with its own key.
 
-    sample(logits [R, V], keys [R, 2] uint32, temperature [R], top_p [R], top_k [R]) -> [R] int32
+    sample(logits [R, V], keys [R, 2] uint32, temperature [R], top_p [R], top_k [R],
+           controls=None) -> [R] int32
+
+``controls`` (`bitdelta_jax.models.controls.LogitControls`) are applied to the logits first:
+a structured-output token mask, logit bias (and min_tokens), presence / frequency / repetition
+penalties, all per row; a batch whose rows use none of them skips that work.
 
 ``temperature <= 0`` is greedy (argmax). ``top_k <= 0`` and ``top_p >= 1`` disable those
 filters. Filters follow transformers' order: temperature, then top-k, then top-p (the smallest
@@ -31,6 +36,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from bitdelta_jax.models.controls import BIAS_SLOTS, LogitControls, apply_controls
+
 INT32_MAX = 2**31 - 1
 CANDIDATES = (64, 1024)
 _BLOCK = 256
@@ -38,7 +45,16 @@ _BLOCK = 256
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """Per-request decoding parameters."""
+  """Per-request decoding parameters.
+
+  ``max_new_tokens = 0`` generates nothing (a scoring request: its prompt log probabilities
+  only). ``min_tokens``: the stop token ids cannot be drawn before that many tokens.
+  ``logprobs``: the number of top alternatives to report with each generated token's log
+  probability (None: no log probabilities); ``prompt_logprobs`` likewise for the prompt's
+  tokens (the engine then computes every prompt token, without prefix reuse). ``grammar``: an
+  object with ``matcher()`` (`bitdelta_jax.models.grammar.CompiledGrammar`) that constrains the
+  output.
+  """
 
   temperature: float = 0.0
   top_p: float = 1.0
@@ -47,16 +63,45 @@ class SamplingParams:
   max_new_tokens: int = 16
   stop_token_ids: tuple[int, ...] = ()
   stop_strings: tuple[str, ...] = ()
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
+  min_tokens: int = 0
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
+  grammar: object = dataclasses.field(default=None, compare=False)
 
   def __post_init__(self):
     if self.temperature < 0:
       raise ValueError(f"temperature must be >= 0, got {self.temperature}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-    if self.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
     if not -INT32_MAX <= self.top_k <= INT32_MAX:
       raise ValueError(f"top_k must be an int32, got {self.top_k}")
+    if not self.repetition_penalty > 0:
+      raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+    if self.min_tokens < 0:
+      raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+    if len(self.logit_bias) + len(self.stop_token_ids) > BIAS_SLOTS:
+      raise ValueError(f"logit_bias and stop_token_ids may hold at most {BIAS_SLOTS} entries "
+                       "together")
+    for name in ("logprobs", "prompt_logprobs"):
+      k = getattr(self, name)
+      if k is not None and not 0 <= k <= 20:
+        raise ValueError(f"{name} must be in [0, 20], got {k}")
+
+  @property
+  def penalised(self) -> bool:
+    return (self.presence_penalty != 0 or self.frequency_penalty != 0
+            or self.repetition_penalty != 1)
+
+  @property
+  def controlled(self) -> bool:
+    """Whether this request needs any `LogitControls` (else the neutral ones serve it)."""
+    return bool(self.penalised or self.logit_bias or self.min_tokens or self.grammar is not None)
 
 
 def row_keys(keys_Rx2: jax.Array, positions_R: jax.Array) -> jax.Array:
@@ -130,9 +175,11 @@ def sample_reference(
   temperature_R: jax.Array,
   top_p_R: jax.Array,
   top_k_R: jax.Array,
+  controls: LogitControls | None = None,
 ) -> jax.Array:
-  """The sampling definition written plainly: a full sort of every row."""
-  logits = logits_RxV.astype(jnp.float32)
+  """The sampling definition written plainly: every control on every row, a full sort of every
+  row."""
+  logits = apply_controls(logits_RxV, controls, fast=False)
   x, k, u = _prepare(logits, keys_Rx2, temperature_R, top_k_R)
   cut = jnp.where(_is_filtered(x, k, top_p_R), _sorted_cutoff(x, k, top_p_R), -jnp.inf)
   tok = _pick(x, cut, u)
@@ -168,9 +215,11 @@ def sample(
   temperature_R: jax.Array,
   top_p_R: jax.Array,
   top_k_R: jax.Array,
+  controls: LogitControls | None = None,
 ) -> jax.Array:
-  """Same tokens as `sample_reference`, without sorting the vocabulary."""
-  logits = logits_RxV.astype(jnp.float32)
+  """Same tokens as `sample_reference`, without sorting the vocabulary (and with the controls
+  no row uses skipped)."""
+  logits = apply_controls(logits_RxV, controls, fast=True)
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   sampled_rows = temperature_R > 0
 
