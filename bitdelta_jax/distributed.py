@@ -64,9 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, mesh: bool = True) -> None
   """Adds ``--coordinator``, ``--num-processes``, ``--process-id``, ``--step-timeout`` (and
   ``--mesh``) to a CLI parser."""
   g = parser.add_argument_group("distributed")
-  g.add_argument("--coordinator", default=None, help="HOST:PORT of process 0's coordinator")
-  g.add_argument("--num-processes", type=int, default=1)
-  g.add_argument("--process-id", type=int, default=0)
+  g.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                 help="HOST:PORT of process 0's jax.distributed coordinator (needed when N > 1)")
+  g.add_argument("--num-processes", type=int, default=1, metavar="N",
+                 help="how many processes (hosts) share one global device mesh (1)")
+  g.add_argument("--process-id", type=int, default=0, metavar="I",
+                 help="this process's index in [0, N); 0 runs the HTTP front, the others follow "
+                      "its step plans (0)")
   g.add_argument("--step-timeout", type=float, default=120.0,
                  help="seconds before a distributed step is declared lost (worker death)")
   if mesh:

@@ -38,12 +38,25 @@ from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
 from serving.engine import Engine, Event, GenRequest
 from serving.metrics import CONTENT_TYPE_LATEST, Metrics
-from serving.registry import Registry, RegistryError, changes_embeddings, is_adapter
+from serving.registry import (
+  Registry,
+  RegistryError,
+  added_tokens,
+  changes_embeddings,
+  is_adapter,
+)
 from serving.router import Router, UnknownModel
 
 log = logging.getLogger("serving.app")
 SERVER_KEY = web.AppKey("server", object)
 MAX_BODY = web.AppKey("max_body", int)
+
+
+def _base_vocab(base_dir) -> int:
+  """The base's vocabulary size (rows of its embedding), from its config.json."""
+  from bitdelta_jax.models.loading import load_config
+
+  return load_config(base_dir).vocab_size
 
 
 class BadVariantsError(ConfigError):
@@ -89,11 +102,21 @@ class Server:
                        if isinstance(m, dict) and "lora_rank" in m], default=0)
     self.base_fp = await loop.run_in_executor(
       self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
+    vocab = _base_vocab(cfg.base)
+    extra = cfg.extra_vocab
+    if extra is None:  # room for what the configured variants add, rounded up
+      most = max([added_tokens(m, vocab) for m in manifests.values() if isinstance(m, dict)],
+                 default=0)
+      extra = -(-most // 64) * 64
+    if extra and cfg.sharded:
+      raise ConfigError("extra_vocab: variants that add tokens are served on one device only "
+                        "(no --mesh, one process)")
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
-                             lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]))
+                             lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
+                             vocab_size=vocab, extra_vocab=extra)
     await self._add_config_variants()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
-                         lora_rank=lora_rank)
+                         lora_rank=lora_rank, extra_vocab=extra)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
                             write_slot=self._write_slot, io_pool=self.io)
@@ -128,8 +151,8 @@ class Server:
           raise res
         self.bad_variants[name] = str(res)
         continue
-      p, nbytes = res
-      self.registry.add(name, p, nbytes, source="config")
+      p, info = res
+      self.registry.add(name, p, info, source="config")
     if self.bad_variants:
       if not cfg.skip_bad_variants:
         raise BadVariantsError(self.bad_variants)
@@ -178,14 +201,20 @@ class Server:
     model = P.model_of(body)
     if not self.router.knows(model):
       raise _unknown(model)
+    variant = self.registry.get(model)  # None: the base
+    tok = (variant.tokenizer if variant is not None else None) or self.tokenizer
+    vocab = self.engine.vocab_size + (variant.added_tokens if variant is not None else 0)
     if chat:
       msgs = P.messages_of(body)
+      # the variant's own chat template; one whose tokenizer has none uses the base's
+      templated = tok if tok.chat_template else self.tokenizer
       try:
-        prompt = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        text = templated.apply_chat_template(msgs, add_generation_prompt=True)
       except Exception as e:  # noqa: BLE001  a template that rejects these messages
         raise P.invalid("messages", f"the chat template rejected them ({e})") from None
+      prompt = tok.encode(text, add_special_tokens=False)  # the template holds its specials
     else:
-      prompt = P.prompt_of(body, self.tokenizer, self.engine.vocab_size)
+      prompt = P.prompt_of(body, tok, vocab, self.engine.vocab_size)
     opts = P.options_of(body, chat=chat)
     cfg = self.cfg
     if len(prompt) > cfg.max_prompt_tokens:
@@ -199,7 +228,7 @@ class Server:
       temperature=opts.temperature, top_p=opts.top_p,
       top_k=opts.top_k if opts.top_k < self.engine.vocab_size else 0,  # >= vocab: no top-k
       seed=opts.seed,
-      max_new_tokens=max_tokens, stop_token_ids=() if opts.ignore_eos else self.engine.eos_ids,
+      max_new_tokens=max_tokens, stop_token_ids=() if opts.ignore_eos else tok.stop_token_ids,
       stop_strings=opts.stop)
     if not self.engine.alive:
       raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
@@ -229,7 +258,8 @@ class Server:
       events.put_nowait(ev)
 
     req = GenRequest(prompt=list(prompt), slot=lease.slot, params=params, model=model,
-                     emit=lambda ev: loop.call_soon_threadsafe(deliver, ev), arrival=arrival)
+                     emit=lambda ev: loop.call_soon_threadsafe(deliver, ev), arrival=arrival,
+                     tokenizer=tok)
     self.metrics.prompt_tokens.labels(model).inc(len(prompt))
     finished = False
     try:
@@ -348,10 +378,10 @@ class Server:
       raise P.invalid("path", "is required")
     try:
       name, p = self.registry.check(name, path, source="admin")
-      nbytes = await asyncio.get_running_loop().run_in_executor(
+      info = await asyncio.get_running_loop().run_in_executor(
         self.io, lambda: self.registry.inspect(p, self._base_check,
                                                verify=self.cfg.verify_variants))
-      v = self.registry.add(name, p, nbytes, source="admin")
+      v = self.registry.add(name, p, info, source="admin")
     except RegistryError as e:
       raise P.ApiError(e.status, str(e), param=e.param, code=e.code) from None
     except (DeltaStoreError, DeltaMismatchError, OSError) as e:  # OSError: e.g. unreadable

@@ -26,6 +26,7 @@ _FIELDS = {
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
+  "extra_vocab": "extra_vocab",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
@@ -62,13 +63,17 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="prompt tokens per engine iteration; longer prompts are chunked (512)")
   p.add_argument("--no-prefix-caching", action="store_true",
                  help="do not reuse the KV pages of shared prompt prefixes")
-  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"))
+  p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                 help="dtype of the base weights and activations on the device (float32)")
   p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request omits it")
   p.add_argument("--variant-root", action="append", default=[], metavar="DIR",
                  help="POST /v1/variants paths must lie under one of these (repeatable)")
   p.add_argument("--lora-rank", type=int, metavar="R",
                  help="rank of the LoRA slots for PEFT adapters registered at runtime "
                       "(default: the largest rank of the configured adapters)")
+  p.add_argument("--extra-vocab", type=int, metavar="N",
+                 help="room per device slot for tokens a variant added to the vocabulary "
+                      "(default: the most any configured variant adds, rounded up to 64)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
   p.add_argument("--no-verify-base", action="store_true",
                  help="check deltas against the base's names/shapes/dtypes only, not the crc32 of "

@@ -68,6 +68,7 @@ class ServerConfig:
   verify_variants: bool = True  # at start, read each configured delta once and check its crc32s
   skip_bad_variants: bool = False  # serve without a variant that fails its start-up checks
   lora_rank: int | None = None  # LoRA slot rank; None: the largest rank of configured adapters
+  extra_vocab: int | None = None  # added-token rows per slot; None: what configured variants add
   embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
   warmup: bool = True  # compile every prefill bucket and the decode step before serving
   io_threads: int = 2
@@ -97,6 +98,8 @@ class ServerConfig:
     need(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
     need(self.rate_half_life_s > 0, "rate_half_life_s", "must be > 0")
     need(self.io_threads >= 1, "io_threads", "must be >= 1")
+    need(self.extra_vocab is None or self.extra_vocab >= 0, "extra_vocab",
+         f"must be >= 0, got {self.extra_vocab}")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
          f"must be float32, bfloat16 or float16, got {self.dtype!r}")
     names = [check_name(n, "variant name") for n, _ in self.variants]

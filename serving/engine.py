@@ -64,6 +64,7 @@ class GenRequest:
   model: str
   emit: Callable[[Event], None]
   arrival: float = dataclasses.field(default_factory=time.perf_counter)
+  tokenizer: object = None  # the variant's own (decodes its tokens); None: the engine's (base)
   cancelled: bool = False
   # engine-side
   tokens: list[int] = dataclasses.field(default_factory=list)
@@ -74,9 +75,10 @@ class GenRequest:
 class Engine:
   IDLE_PING_S = 5.0  # multi-process: an idle engine checks its workers this often
   def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *,
-               embedding_slots: bool = False, lora_rank: int = 0,
+               embedding_slots: bool = False, lora_rank: int = 0, extra_vocab: int = 0,
                model_factory: Callable | None = None):
     self.cfg, self.metrics, self.tokenizer = cfg, metrics, tokenizer
+    self.extra_vocab = extra_vocab
     self.embedding_slots = embedding_slots
     self.lora_rank = lora_rank
     self._model_factory = model_factory
@@ -90,8 +92,6 @@ class Engine:
     self.queue_depth = 0
     self.steps = 0
     self.alive = False
-    eos = tokenizer.eos_token_id if tokenizer is not None else None
-    self.eos_ids = () if eos is None else (eos,)
 
   # -- public (any thread) -----------------------------------------------------------------
   def start(self) -> concurrent.futures.Future:
@@ -131,7 +131,8 @@ class Engine:
       broadcast_json({"op": "build", "embedding_slots": self.embedding_slots,
                       "lora_rank": self.lora_rank}, max_bytes=nbytes)
     gen = build_generator(cfg, embedding_slots=self.embedding_slots, lora_rank=self.lora_rank,
-                          tokenizer=self.tokenizer, model_factory=self._model_factory)
+                          extra_vocab=self.extra_vocab, tokenizer=self.tokenizer,
+                          model_factory=self._model_factory)
     self.vocab_size = gen.model.config.vocab_size
     if cfg.multi_process:
       gen = multihost.LeaderGenerator(multihost.Replica(gen), timeout_s=cfg.step_timeout_s,
@@ -354,7 +355,7 @@ class Engine:
       return self._finish(r, "stop", None)
     r.tokens.append(tok)
     self.metrics.generated_tokens.labels(r.model).inc()
-    tk = self.tokenizer
+    tk = r.tokenizer or self.tokenizer
     text = tk.decode(r.tokens) if tk is not None else ""
     if p.stop_strings:
       hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop_strings) if i >= 0]
@@ -373,7 +374,8 @@ class Engine:
 
   def _finish(self, r: GenRequest, reason: str, text: str | None) -> bool:
     if text is None:
-      text = self.tokenizer.decode(r.tokens) if self.tokenizer is not None else ""
+      tk = r.tokenizer or self.tokenizer
+      text = tk.decode(r.tokens) if tk is not None else ""
     self._emit(r, Event("done", text=text[r.sent:], finish_reason=reason,
                         completion_tokens=len(r.tokens)))
     return True
@@ -405,7 +407,7 @@ def _code(e: BaseException) -> str | None:
 
 
 def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_rank: int = 0,
-                    tokenizer=None, model_factory: Callable | None = None):
+                    extra_vocab: int = 0, tokenizer=None, model_factory: Callable | None = None):
   """The engine's generator: a `Generator`, or with a mesh / several processes a
   `bitdelta_jax.sharding.ShardedGenerator` over the (global) mesh, the base restored straight
   into its shardings. Every process of a multi-process server calls this with the same
@@ -433,7 +435,8 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
     model = model_factory()
   else:
     model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1,
-                            dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
+                            dense_embedding_slots=embedding_slots, lora_rank=lora_rank,
+                            extra_vocab=extra_vocab)
   mc = model.config
   token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
   pages_per_seq = -(-cfg.max_seq_len // cfg.page_size)

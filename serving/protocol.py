@@ -231,8 +231,10 @@ def options_of(body: Mapping, *, chat: bool) -> Options:
   )
 
 
-def prompt_of(body: Mapping, tokenizer, vocab_size: int) -> list[int]:
-  """`/v1/completions` ``prompt``: a string, a list of token ids, or a one-element list of either."""
+def prompt_of(body: Mapping, tokenizer, vocab_size: int, base_vocab: int | None = None) -> list[int]:
+  """`/v1/completions` ``prompt``: a string, a list of token ids, or a one-element list of either.
+  Token ids must be below ``vocab_size`` (the serving variant's: the base's plus the tokens it
+  added; ``base_vocab`` names the base's in the error)."""
   p = body.get("prompt")
   if p is None:
     raise invalid("prompt", "is required")
@@ -243,7 +245,12 @@ def prompt_of(body: Mapping, tokenizer, vocab_size: int) -> list[int]:
   elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
     bad = [t for t in p if not 0 <= t < vocab_size]
     if bad:
-      raise invalid("prompt", f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+      why = ""
+      if base_vocab is not None and bad[0] >= base_vocab and bad[0] >= 0:
+        why = (f" (ids from {base_vocab} on are tokens a variant added; this model "
+               f"{'adds none' if vocab_size == base_vocab else f'adds {vocab_size - base_vocab}'})")
+      raise invalid("prompt", f"token id {bad[0]} is outside this model's vocabulary "
+                              f"[0, {vocab_size}){why}")
     ids = list(p)
   elif isinstance(p, list):
     raise invalid("prompt", "batched prompts are not supported; send one prompt per request")

@@ -13,6 +13,7 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest sizes)
 import numpy as np
@@ -51,6 +52,30 @@ def is_adapter(path) -> bool:
   return os.path.exists(os.path.join(path, "adapter_config.json"))
 
 
+def added_tokens(manifest: dict, vocab_size: int) -> int:
+  """How many tokens the variant added to the base's ``vocab_size`` (embedding / LM-head rows
+  past the base's: ``extra_rows``, or a kept ``value`` that is longer)."""
+  n = 0
+  for name, meta in manifest["tensors"].items():
+    if not any(e in name for e in EMBEDDING_TENSORS):
+      continue
+    arrays = meta.get("arrays") or {}
+    if "extra_rows" in arrays:
+      n = max(n, int(arrays["extra_rows"]["shape"][0]))
+    elif meta.get("kind") == "value" and "value" in arrays:
+      n = max(n, int(arrays["value"]["shape"][0]) - vocab_size)
+  return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspected:
+  """What the start-up / registration checks learnt of a variant directory."""
+
+  nbytes: int  # host bytes of its arrays
+  added_tokens: int = 0  # tokens past the base's vocabulary
+  tokenizer: Any = None  # its own `Tokenizer` (kept by compress), or None: the base's
+
+
 def changes_embeddings(manifest: dict) -> bool:
   return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] != "same"
              for n, m in manifest["tensors"].items())
@@ -64,6 +89,8 @@ class Variant:
   nbytes: int
   registered_at: float = dataclasses.field(default_factory=time.time)
   # usage
+  added_tokens: int = 0  # vocabulary rows past the base's
+  tokenizer: Any = None  # the variant's own Tokenizer, or None: the base's
   requests: int = 0
   in_flight: int = 0
   deleting: bool = False
@@ -94,8 +121,10 @@ class Variant:
 class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
                embedding_slots: bool = False, lora_rank: int = 0,
-               base_tensors: set[str] | None = None):
+               base_tensors: set[str] | None = None, vocab_size: int | None = None,
+               extra_vocab: int = 0):
     self.base_id = base_id
+    self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
     self.admin_roots = tuple(Path(r).resolve() for r in admin_roots)
     self.embedding_slots = embedding_slots
     self.lora_rank = lora_rank
@@ -145,17 +174,20 @@ class Registry:
           status=403, code="path_not_allowed")
     return name, p.resolve()
 
-  def inspect(self, path: Path, base_check, *, verify: bool = False) -> int:
-    """Reads and checks the manifest (run in an IO thread); returns the delta's bytes.
+  def inspect(self, path: Path, base_check, *, verify: bool = False) -> Inspected:
+    """Reads and checks the manifest (run in an IO thread).
 
     With ``verify``, also reads every stored array once and checks its shape and crc32 (a
     corrupt or truncated delta fails here rather than at its first request).
     A directory with ``adapter_config.json`` is a PEFT LoRA adapter: its modules must be linear
-    layers of the base and its rank must fit the model's LoRA slots."""
+    layers of the base and its rank must fit the model's LoRA slots.
+    A variant that added tokens must fit the server's added-token rows; its own tokenizer
+    (kept by ``compress`` in ``tokenizer/``) is loaded and must fit its vocabulary."""
     if not os.path.isdir(path):
       raise RegistryError(f"{path}: no such delta directory", param="path")
     if is_adapter(path):
-      return self._inspect_adapter(path)
+      return Inspected(self._inspect_adapter(path), 0, self._tokenizer(path, path, 0)
+                       if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
     m = read_manifest(path)
     try:
       if base_check is not None:
@@ -165,11 +197,36 @@ class Registry:
           f"{path}: this variant changes the embeddings / LM head, but the server was started "
           f"without per-slot embedding banks (start it with this variant configured, or with "
           f"--embedding-slots)", param="path")
+      added = added_tokens(m, self.vocab_size) if self.vocab_size else 0
+      if added > self.extra_vocab:
+        raise RegistryError(
+          f"{path}: this variant adds {added} tokens to the vocabulary, but the server has room "
+          f"for {self.extra_vocab} added tokens per slot (start it with this variant configured, "
+          f"or with --extra-vocab {added})", param="path")
+      from bitdelta_jax.delta.stream import tokenizer_dir
+
+      own = tokenizer_dir(path, m)
+      tok = None if own is None else self._tokenizer(path, own, added)
       if verify:
         verify_arrays(path, m)
-      return manifest_bytes(m)
+      return Inspected(manifest_bytes(m), added, tok)
     except (KeyError, TypeError, AttributeError) as e:  # fields missing or of the wrong type
       raise DeltaStoreError(f"{path}: corrupt manifest ({type(e).__name__}: {e})") from None
+
+  def _tokenizer(self, path: Path, tok_dir, added: int):
+    """The variant's own tokenizer; its ids must fit the variant's vocabulary."""
+    from bitdelta_jax.models.tokenizer import Tokenizer
+
+    try:
+      tok = Tokenizer.from_dir(tok_dir)
+    except Exception as e:  # noqa: BLE001  tokenizers raises its own exception types
+      raise RegistryError(f"{path}: the variant's tokenizer cannot be loaded: {e}",
+                          param="path") from None
+    if self.vocab_size and tok.vocab_size > self.vocab_size + added:
+      raise RegistryError(
+        f"{path}: the variant's tokenizer has {tok.vocab_size} tokens, but its embeddings have "
+        f"{self.vocab_size + added} rows", param="path")
+    return tok
 
   def _inspect_adapter(self, path: Path) -> int:
     from bitdelta_jax.merge.lora import load_adapter
@@ -189,11 +246,14 @@ class Registry:
         "(start the server with --lora-rank, or with this adapter configured)", param="path")
     return adapter.nbytes
 
-  def add(self, name: str, path: Path, nbytes: int, *, source: str) -> Variant:
+  def add(self, name: str, path: Path, info: Inspected | int, *, source: str) -> Variant:
     if name in self._variants:  # raced with another registration
       raise RegistryError(f"a variant named {name!r} is already registered", param="name",
                           status=409, code="variant_exists")
-    v = Variant(name=name, path=path, source=source, nbytes=nbytes)
+    if not isinstance(info, Inspected):
+      info = Inspected(int(info))
+    v = Variant(name=name, path=path, source=source, nbytes=info.nbytes,
+                added_tokens=info.added_tokens, tokenizer=info.tokenizer)
     self._variants[name] = v
     return v
 

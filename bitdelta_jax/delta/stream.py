@@ -305,9 +305,14 @@ def compress_checkpoints(
       src = {"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name}
       cfg = _read_config(ft.path)
       warnings, notes = pair_warnings(norm_ratios, grown_rows)
+      tok = keep_tokenizer(base_dir, ft_dir, w.tmp)
+      if tok:
+        notes.append(f"the fine-tune's tokenizer / chat template differ from the base's; kept "
+                     f"in {TOKENIZER_DIR}/ ({', '.join(tok)})")
       return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
                       extra={"source": src, "finetuned_config": cfg, "warnings": warnings,
-                             "notes": notes, **(extra or {})})
+                             "notes": notes, "tokenizer": TOKENIZER_DIR if tok else None,
+                             **(extra or {})})
 
 
 def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
@@ -327,8 +332,42 @@ def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
   return fingerprint(ent)
 
 
-_COPY_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "chat_template.jinja", "added_tokens.json",
+                   "generation_config.json")
+
+
+def keep_tokenizer(base_dir, ft_dir, out_dir) -> list[str]:
+  """Copies the fine-tune's tokenizer files (and chat template, generation config) into
+  ``out_dir/tokenizer/`` when any of them differs from the base's (added tokens, another chat
+  template or stop token); returns the files kept ([] when they all equal the base's)."""
+  base_dir, ft_dir = Path(base_dir), Path(ft_dir)
+  present = [f for f in TOKENIZER_FILES if (ft_dir / f).is_file()]
+  differs = any(not (base_dir / f).is_file() or (ft_dir / f).read_bytes() != (base_dir / f).read_bytes()
+                for f in present)
+  if not present or not differs:
+    return []
+  (Path(out_dir) / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
+  for f in present:
+    shutil.copy2(ft_dir / f, Path(out_dir) / TOKENIZER_DIR / f)
+  return present
+
+
+def tokenizer_dir(delta_dir, manifest: dict | None = None) -> Path | None:
+  """The delta's own tokenizer directory (kept by `compress`), or None: the base's applies."""
+  manifest = read_manifest(delta_dir) if manifest is None else manifest
+  rel = manifest.get("tokenizer")
+  if not rel:
+    return None
+  d = Path(delta_dir) / rel
+  if not (d / "tokenizer.json").is_file() and not (d / "tokenizer_config.json").is_file():
+    raise DeltaStoreError(f"{d}: the manifest names a tokenizer directory, but it holds no "
+                          f"tokenizer files")
+  return d
+
+
+_COPY_FILES = ("config.json", *TOKENIZER_FILES)
 
 
 def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
@@ -400,8 +439,11 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
         (out.tmp / "model.safetensors.index.json").write_text(
           json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
       cfg = manifest.get("finetuned_config") or {}
+      own = tokenizer_dir(delta_dir, manifest)
       for f in _COPY_FILES:
         src = Path(base_dir) / f
+        if own is not None and f in TOKENIZER_FILES:
+          src = own / f  # the fine-tune's own tokenizer, chat template, stop tokens
         if f == "config.json" and cfg:
           (out.tmp / f).write_text(json.dumps(cfg, indent=2))
         elif src.exists():

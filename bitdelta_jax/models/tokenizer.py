@@ -3,6 +3,7 @@
     tok = Tokenizer.from_dir(path)
     ids = tok.encode("hello", add_special_tokens=True)
     text = tok.decode(ids, skip_special_tokens=True)
+    tok.stop_token_ids                  # EOS + generation_config.json's eos_token_id
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     ids = tok.apply_chat_template(messages, tokenize=True)
 
@@ -65,11 +66,13 @@ class Tokenizer:
   """A `tokenizers.Tokenizer` plus the special tokens and chat template of its directory."""
 
   def __init__(
-    self, tokenizer, config: Mapping[str, Any] | None = None, chat_template: str | None = None
+    self, tokenizer, config: Mapping[str, Any] | None = None, chat_template: str | None = None,
+    generation_eos: Sequence[int] = (),
   ):
     self.tok = tokenizer
     self.config = dict(config or {})
     self.chat_template = chat_template
+    self.generation_eos = tuple(int(t) for t in generation_eos)
     self.special_tokens = {
       k: _token_str(self.config.get(k))
       for k in ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -97,7 +100,12 @@ class Tokenizer:
       if isinstance(template, list):
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default") or next(iter(named.values()), None)
-    return cls(HFTokenizer.from_file(str(tj)), config, template)
+    gen_eos: list[int] = []
+    gen_file = path / "generation_config.json"
+    if gen_file.exists():
+      eos = json.loads(gen_file.read_text()).get("eos_token_id")
+      gen_eos = [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]
+    return cls(HFTokenizer.from_file(str(tj)), config, template, gen_eos)
 
   # -- ids -------------------------------------------------------------------------------------
   @property
@@ -111,6 +119,13 @@ class Tokenizer:
   def eos_token_id(self) -> int | None:
     eos = self.special_tokens.get("eos_token")
     return None if eos is None else self.token_id(eos)
+
+  @property
+  def stop_token_ids(self) -> tuple[int, ...]:
+    """Tokens that end a generation: the EOS token and ``generation_config.json``'s
+    ``eos_token_id`` (an int or a list), in that order, without repeats."""
+    ids = [self.eos_token_id, *self.generation_eos]
+    return tuple(dict.fromkeys(t for t in ids if t is not None))
 
   @property
   def bos_token_id(self) -> int | None:
