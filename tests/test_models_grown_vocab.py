@@ -104,3 +104,53 @@ def test_added_tokens_only_need_no_dense_bank(tmp_path):
   with torch.no_grad():
     want = ref(torch.from_numpy(ids)).logits.numpy()[0]
   np.testing.assert_allclose(out[:, :V + ADDED], want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tied,native", [(True, True), (False, True), (True, False)])
+def test_packed_embedding_delta_served_from_one_bit_banks(tmp_path, monkeypatch, tied, native):
+  """A 1-bit embedding / LM-head delta with a per-token α (``PackedDelta`` in the ``[D, V]``
+  orientation) served from the packed banks equals the base plus α·sign(Δ) computed in numpy,
+  on both the input (gathered tokens) and the output (logits) side, beside a base row."""
+  from bitdelta_jax.delta.format import pack
+  from bitdelta_jax.models import from_tensors
+  from bitdelta_jax.models.loading import load_config
+  from pallas_kernels.delta_matmul import cpu
+
+  if native and cpu.unavailable_reason() is not None:
+    pytest.skip(cpu.unavailable_reason())
+  if not native:  # the portable path: per-slot unpack under lax.cond
+    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "disabled by the test")
+  torch.manual_seed(0)
+  cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=40, intermediate_size=64,
+                                 num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, max_position_embeddings=64,
+                                 tie_word_embeddings=tied)
+  transformers.LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "base",
+                                                             safe_serialization=True)
+  base = _base_tensors(tmp_path / "base")
+  rng = np.random.default_rng(3)
+  names = ["model.embed_tokens.weight"] + ([] if tied else ["lm_head.weight"])
+  delta, want = {}, dict(base)
+  for n in names:
+    d_hf = (0.05 * rng.standard_normal(base[n].shape)).astype(np.float32)  # [V, D]
+    pd = jax_tree_np(pack(jnp.asarray(d_hf.T), "column"))  # [D, V], one α per token
+    delta[n] = pd
+    signs = np.where(d_hf >= 0, 1.0, -1.0)
+    alpha = np.abs(d_hf).mean(axis=1, keepdims=True)  # per token (row of the HF tensor)
+    want[n] = (base[n].astype(np.float64) + alpha * signs).astype(np.float32)
+  model = from_pretrained(tmp_path / "base", dtype=jnp.float32, num_slots=3,
+                          packed_embedding_slots=True)
+  load_variant(model, 2, delta)
+  ids = np.array([[1, 5, 9, 3, 63, 0, 17]])
+  out = np.asarray(model(jnp.asarray(np.repeat(ids, 2, axis=0)), slot_ids=jnp.array([2, 0])))
+  mc = load_config(tmp_path / "base")
+  ref = np.asarray(from_tensors(mc, want, jnp.float32)(jnp.asarray(ids)))[0]
+  np.testing.assert_allclose(out[0], ref, atol=2e-4, rtol=1e-4)
+  plain = np.asarray(from_tensors(mc, base, jnp.float32)(jnp.asarray(ids)))[0]
+  np.testing.assert_allclose(out[1], plain, atol=1e-5)
+
+
+def jax_tree_np(pd):
+  import jax
+
+  return jax.tree.map(np.asarray, pd)

@@ -86,6 +86,8 @@ class ModelConfig:
       slot can hold a PEFT LoRA adapter instead of a 1-bit delta.
     dense_embedding_slots: also give embeddings / LM head a per-slot dense f32 delta bank
       (``[S, V, D]``: large), so variants whose embeddings differ can share a batch.
+    packed_embedding_slots: give embeddings / LM head per-slot 1-bit delta banks with a
+      per-token α (``[S, D/8, V]`` uint8 + ``[S, V]``), for compact embedding deltas.
     extra_vocab: per-slot token rows beyond the base vocabulary, for variants that grew it
       (added tokens: their embedding and LM-head rows live in the slot; the logits are
       ``vocab_size + extra_vocab`` wide, a slot's unused extra ids are never sampled).
@@ -115,6 +117,7 @@ class ModelConfig:
   dense_embedding_slots: bool = False
   lora_rank: int = 0
   extra_vocab: int = 0
+  packed_embedding_slots: bool = False
   delta_implementation: str | None = None
 
   def __post_init__(self):
@@ -151,7 +154,7 @@ class ModelConfig:
   @classmethod
   def from_hf_dict(
     cls, d: Mapping[str, Any], *, num_slots: int = 1, dense_embedding_slots: bool = False,
-    lora_rank: int = 0, extra_vocab: int = 0,
+    lora_rank: int = 0, extra_vocab: int = 0, packed_embedding_slots: bool = False,
   ) -> ModelConfig:
     """Builds a config from a parsed HF ``config.json``; raises `ConfigError` if unsupported."""
     model_type = d.get("model_type")
@@ -216,6 +219,7 @@ class ModelConfig:
       dense_embedding_slots=dense_embedding_slots,
       lora_rank=lora_rank,
       extra_vocab=extra_vocab,
+      packed_embedding_slots=packed_embedding_slots,
     )
 
 

@@ -14,6 +14,8 @@ checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
   batch's tokens; the output side adds ``h · ΔE[s]ᵀ`` once per slot that has rows in the batch
   and a non-zero delta (a ``lax.cond`` per slot), so a batch without such rows runs exactly the
   base's LM head, and never materialises a ``[rows, V, D]`` gather.
+  With ``ModelConfig.packed_embedding_slots`` the delta is 1-bit with a per-token α instead
+  (bits ``[S, D/8, V]`` + α ``[S, V]``: 1/32 of the dense bank), read packed on both sides.
   With ``ModelConfig.extra_vocab`` they also hold per-slot rows for tokens a variant added (a
   grown vocabulary); the logits are then ``V + extra_vocab`` wide.
 
@@ -85,6 +87,46 @@ def _add_slot_products(logits_BxTxV, h_BxTxD, bank, used_S, slot_ids_B, spec: st
     logits_BxTxV = jax.lax.cond(jnp.any(rows) & (used_S[s] > 0), add, lambda lg: lg,
                                 logits_BxTxV)
   return logits_BxTxV
+
+
+def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot_ids_B,
+                              group_k: int):
+  """``logits[b] += α[s] ⊙ (h[b] · S[s])`` with ``s = slot[b]``: a 1-bit embedding / LM-head
+  delta (per-token α) read packed. On one CPU device the fused native kernel reads the bits
+  once per row block (slot 0 rows and slots without a delta are skipped); elsewhere each slot
+  present in the batch unpacks its signs under a ``lax.cond``."""
+  b, t, v = logits_BxTxV.shape
+  h = h_BxTxD.reshape(b * t, -1).astype(jnp.float32)
+  k = h.shape[1]
+  used = jnp.any(scale_SxV != 0, axis=1)  # [S]
+  slots = jnp.repeat(slot_ids_B.astype(jnp.int32), t)
+  slots = jnp.where((slots > 0) & used[slots], slots, -1)
+  base = logits_BxTxV.reshape(b * t, v)
+  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+    from pallas_kernels.delta_matmul import cpu
+
+    if cpu.unavailable_reason() is None:
+      out = cpu.fused_call(h, bits_SxRxV, scale_SxV, slots, base, group_k=group_k)
+      return out.reshape(b, t, v)
+  from bitdelta_jax.delta.format import unpack_signs
+
+  for s in range(1, bits_SxRxV.shape[0]):
+    rows = slots == s
+    add = lambda y, s=s, rows=rows: y + jnp.where(
+      rows[:, None], scale_SxV[s] * (h @ unpack_signs(bits_SxRxV[s], (k, v), group_k)), 0.0)
+    base = jax.lax.cond(jnp.any(rows), add, lambda y: y, base)
+  return base.reshape(b, t, v)
+
+
+def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k: int):
+  """The 1-bit delta rows ``α[s, id] · S[s][:, id]`` of the given tokens, f32 ``[B, T, K]``."""
+  from bitdelta_jax.delta.format import unpack_signs
+
+  b, t = ids_BxT.shape
+  cols = bits_SxRxV[slot_ids_B[:, None], :, ids_BxT]  # [B, T, R]
+  signs = unpack_signs(cols.reshape(b * t, -1, 1), (k, 1), group_k)[..., 0]  # [B*T, K]
+  alpha = scale_SxV[slot_ids_B[:, None], ids_BxT].reshape(b * t, 1)
+  return (alpha * signs).reshape(b, t, k)
 
 
 class DeltaDense(nnx.Module):
@@ -190,8 +232,13 @@ class Embed(nnx.Module):
   """
 
   def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs,
-               extra_vocab: int = 0):
+               extra_vocab: int = 0, packed_slots: bool = False):
     self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), dtype))
+    self.group_k = group_k_for(dim, DEFAULT_GROUP_K)
+    packed = packed_slots and num_slots > 1  # 1-bit delta, per-token α: [S, D/8, V] + [S, V]
+    self.weight_bits = (SlotBank(jnp.zeros((num_slots, packed_rows(dim, self.group_k), vocab),
+                                           jnp.uint8)) if packed else None)
+    self.weight_scale = SlotBank(jnp.zeros((num_slots, vocab), jnp.float32)) if packed else None
     banked = dense_slots and num_slots > 1
     self.weight_delta = SlotBank(jnp.zeros((num_slots, vocab, dim), jnp.float32)) if banked else None
     self.weight_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
@@ -209,6 +256,10 @@ class Embed(nnx.Module):
     if self.weight_delta is not None and slot_ids is not None:
       d = self.weight_delta[...][slot_ids[:, None], base_ids]
       e = (e.astype(jnp.float32) + d).astype(w.dtype)
+    if self.weight_bits is not None and slot_ids is not None:
+      d = _packed_columns(self.weight_bits[...], self.weight_scale[...], slot_ids, base_ids,
+                          w.shape[1], self.group_k)
+      e = (e.astype(jnp.float32) + d).astype(w.dtype)
     if self.extra_weight is not None and slot_ids is not None:
       bank = self.extra_weight[...]
       x = bank[slot_ids[:, None], jnp.clip(ids_BxT - vocab, 0, bank.shape[1] - 1)]
@@ -222,6 +273,9 @@ class Embed(nnx.Module):
     if self.weight_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
                                   self.weight_delta_used[...], slot_ids, "btd,vd->btv")
+    if self.weight_bits is not None and slot_ids is not None:
+      logits = _add_packed_slot_products(logits, h_BxTxD, self.weight_bits[...],
+                                         self.weight_scale[...], slot_ids, self.group_k)
     if self.extra_weight is not None:
       logits = _with_extra_logits(logits, h_BxTxD, self.extra_weight[...], self.extra_count[...],
                                   slot_ids, "btd,bxd->btx")
@@ -249,8 +303,13 @@ class LMHead(nnx.Module):
   ``extra_vocab``: per-slot columns ``extra_kernel [S, D, X]`` for added tokens, as in `Embed`."""
 
   def __init__(self, dim: int, vocab: int, *, num_slots: int, dense_slots: bool, dtype, rngs,
-               extra_vocab: int = 0):
+               extra_vocab: int = 0, packed_slots: bool = False):
     self.kernel = nnx.Param(_init(rngs.params(), (dim, vocab), dtype))
+    self.group_k = group_k_for(dim, DEFAULT_GROUP_K)
+    packed = packed_slots and num_slots > 1
+    self.kernel_bits = (SlotBank(jnp.zeros((num_slots, packed_rows(dim, self.group_k), vocab),
+                                           jnp.uint8)) if packed else None)
+    self.kernel_scale = SlotBank(jnp.zeros((num_slots, vocab), jnp.float32)) if packed else None
     banked = dense_slots and num_slots > 1
     self.kernel_delta = SlotBank(jnp.zeros((num_slots, dim, vocab), jnp.float32)) if banked else None
     self.kernel_delta_used = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if banked else None
@@ -264,6 +323,9 @@ class LMHead(nnx.Module):
     if self.kernel_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
                                   self.kernel_delta_used[...], slot_ids, "btd,dv->btv")
+    if self.kernel_bits is not None and slot_ids is not None:
+      logits = _add_packed_slot_products(logits, h_BxTxD, self.kernel_bits[...],
+                                         self.kernel_scale[...], slot_ids, self.group_k)
     if self.extra_kernel is not None:
       logits = _with_extra_logits(logits, h_BxTxD, self.extra_kernel[...], self.extra_count[...],
                                   slot_ids, "btd,bdx->btx")

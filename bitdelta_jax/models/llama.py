@@ -145,6 +145,7 @@ class Decoder(nnx.Module):
       num_slots=cfg.num_slots,
       dense_slots=cfg.dense_embedding_slots,
       extra_vocab=cfg.extra_vocab,
+      packed_slots=cfg.packed_embedding_slots,
       dtype=dtype,
       rngs=rngs,
     )
@@ -171,6 +172,7 @@ class LlamaForCausalLM(nnx.Module):
         num_slots=cfg.num_slots,
         dense_slots=cfg.dense_embedding_slots,
         extra_vocab=cfg.extra_vocab,
+        packed_slots=cfg.packed_embedding_slots,
         dtype=dtype,
         rngs=rngs,
       )

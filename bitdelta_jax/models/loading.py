@@ -129,6 +129,7 @@ def from_pretrained(
   dense_embedding_slots: bool = False,
   lora_rank: int = 0,
   extra_vocab: int = 0,
+  packed_embedding_slots: bool = False,
   delta_implementation: str | None = None,
 ) -> LlamaForCausalLM:
   """Loads ``config.json`` + safetensors from a local HF directory.
@@ -140,6 +141,7 @@ def from_pretrained(
     dense_embedding_slots: give embeddings / LM head per-slot dense delta banks.
     lora_rank: per-slot LoRA factors up to this rank in every linear layer (0: none).
     extra_vocab: per-slot rows for tokens variants added (a grown vocabulary; 0: none).
+    packed_embedding_slots: give embeddings / LM head per-slot 1-bit delta banks (per-token α).
     delta_implementation: forced ``delta_matmul`` implementation (None = best available).
 
   Raises:
@@ -148,7 +150,8 @@ def from_pretrained(
   """
   path = Path(path)
   cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots,
-                    lora_rank=lora_rank, extra_vocab=extra_vocab)
+                    lora_rank=lora_rank, extra_vocab=extra_vocab,
+                    packed_embedding_slots=packed_embedding_slots)
   cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
   dtype = _config_dtype(path) if dtype is None else dtype
   reader = CheckpointReader(path)

@@ -107,9 +107,11 @@ def _bank(module, role: str) -> list[nnx.Variable | None]:
   if role == "bias":
     return [module.bias_delta]
   if role == "head":
-    return [module.kernel_delta, module.kernel_delta_used, module.extra_kernel, module.extra_count]
+    return [module.kernel_delta, module.kernel_delta_used, module.extra_kernel, module.extra_count,
+            module.kernel_bits, module.kernel_scale]
   if role == "embed":
-    return [module.weight_delta, module.weight_delta_used, module.extra_weight, module.extra_count]
+    return [module.weight_delta, module.weight_delta_used, module.extra_weight, module.extra_count,
+            module.weight_bits, module.weight_scale]
   return [module.weight_delta]  # norm
 
 
@@ -128,8 +130,9 @@ def _check_slot(model, slot: int) -> None:
     raise ValueError(f"slot must be in [1, {s}) (slot 0 is the base; num_slots={s}), got {slot}")
 
 
-def _packed_rows(name: str, module: DeltaDense, pd: PackedDelta) -> list[np.ndarray]:
-  k, n = module.in_features, module.out_features
+def _packed_rows(name: str, module, pd: PackedDelta,
+                 shape: tuple[int, int] | None = None) -> list[np.ndarray]:
+  k, n = shape or (module.in_features, module.out_features)
   if tuple(pd.shape) != (k, n):
     raise ValueError(f"tensor {name!r}: packed delta has shape {pd.shape}, the layer is {(k, n)}")
   bits = np.asarray(pd.bits)
@@ -169,24 +172,34 @@ def split_grown(entry: Any, vocab: int) -> tuple[Any, np.ndarray | None]:
 
 
 def _vocab_rows(name: str, module, role: str, entry: Any) -> list[np.ndarray | None]:
-  """Rows for ``[delta, used, extra, extra_count]`` of an embedding / LM head (see `_bank`)."""
+  """Rows for ``[delta, used, extra, extra_count, bits, scale]`` of an embedding / LM head (see
+  `_bank`): a `PackedDelta` (1-bit, per-token α, in the LM head's ``[D, V]`` orientation) goes
+  to the packed banks, or densified into the dense bank when the model has no packed one."""
   banks = _bank(module, role)
   base = _base(module, role)  # [V, D] (the head's kernel transposed back)
+  rows: list[np.ndarray | None] = [None] * 6
+  extra = None
   if isinstance(entry, PackedDelta):
-    if role != "head":
-      raise ValueError(f"tensor {name!r}: a PackedDelta is only valid for linear weights")
-    delta, extra = np.asarray(jax.device_get(_dense_of(entry))), None
+    vocab, dim = base.shape
+    if tuple(entry.shape) != (dim, vocab):
+      raise ValueError(f"tensor {name!r}: packed delta has shape {list(entry.shape)}, expected "
+                       f"[{dim}, {vocab}] (the [hidden, vocab] orientation)")
+    if banks[4] is not None:
+      rows[4:] = _packed_rows(name, module, entry, (dim, vocab))
+      return rows
+    delta = np.asarray(jax.device_get(_dense_of(entry))).T  # [V, D]
+    delta = delta.T if role == "head" else delta
   else:
     part, extra = split_grown(entry, base.shape[0])
     delta = None if part.kind == "same" else _dense_row(name, part, base, role)
     if delta is not None and not np.any(delta):
       delta = None  # only the added rows differ: no dense bank needed
-  rows: list[np.ndarray | None] = [None, None, None, None]
   if delta is not None:
     if banks[0] is None:
       raise ValueError(
         f"tensor {name!r} differs in this variant, but the model has no per-slot embedding "
-        f"bank: build it with dense_embedding_slots=True, or keep {name!r} equal to the base")
+        f"bank: build it with dense_embedding_slots=True (or packed_embedding_slots=True for a "
+        f"1-bit embedding delta), or keep {name!r} equal to the base")
     rows[:2] = [delta, np.float32(1.0)]  # the flag: LM-head products are skipped without it
   if extra is not None:
     n = extra.shape[0]
