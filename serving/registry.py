@@ -77,7 +77,14 @@ class Inspected:
 
 
 def changes_embeddings(manifest: dict) -> bool:
-  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] != "same"
+  """Whether the variant needs dense per-slot embedding / LM-head banks (an exact delta)."""
+  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] not in ("same", "packed")
+             for n, m in manifest["tensors"].items())
+
+
+def packs_embeddings(manifest: dict) -> bool:
+  """Whether the variant has 1-bit embedding / LM-head deltas (packed per-slot banks)."""
+  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] == "packed"
              for n, m in manifest["tensors"].items())
 
 
@@ -122,7 +129,8 @@ class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
                embedding_slots: bool = False, lora_rank: int = 0,
                base_tensors: set[str] | None = None, vocab_size: int | None = None,
-               extra_vocab: int = 0):
+               extra_vocab: int = 0, packed_embedding_slots: bool = False):
+    self.packed_embedding_slots = packed_embedding_slots
     self.base_id = base_id
     self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
     self.admin_roots = tuple(Path(r).resolve() for r in admin_roots)
@@ -197,6 +205,11 @@ class Registry:
           f"{path}: this variant changes the embeddings / LM head, but the server was started "
           f"without per-slot embedding banks (start it with this variant configured, or with "
           f"--embedding-slots)", param="path")
+      if packs_embeddings(m) and not (self.packed_embedding_slots or self.embedding_slots):
+        raise RegistryError(
+          f"{path}: this variant has 1-bit embedding / LM-head deltas, but the server was "
+          f"started without per-slot embedding banks (start it with this variant configured)",
+          param="path")
       added = added_tokens(m, self.vocab_size) if self.vocab_size else 0
       if added > self.extra_vocab:
         raise RegistryError(

@@ -9,6 +9,7 @@ from those sums at the end. Two whole models are never in memory.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -259,9 +260,18 @@ def pair_warnings(norm_ratios: dict[str, float], grown_rows: dict[str, tuple[int
 
 def compress_checkpoints(
   base_dir, ft_dir, out_dir, policy: CompressPolicy = CompressPolicy(), *, overwrite: bool = False,
-  progress: bool = True, extra: dict | None = None,
+  progress: bool = True, extra: dict | None = None, embeddings: str = "exact",
 ) -> dict:
-  """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest."""
+  """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest.
+
+  ``embeddings``: ``"exact"`` keeps changed embeddings / LM head as they are (f32 ``ft − base``,
+  or the value); ``"1bit"`` stores them like linear weights, 1 bit per weight with one α per
+  token (a `PackedDelta` in the ``[hidden, vocab]`` orientation), 1/16 of their bf16 bytes;
+  served from packed slot banks (``ModelConfig.packed_embedding_slots``). Added tokens' rows
+  of a grown vocabulary are always kept exactly."""
+  if embeddings not in ("exact", "1bit"):
+    raise ValueError(f"embeddings must be 'exact' or '1bit', got {embeddings!r}")
+  column = dataclasses.replace(policy, granularity="column")
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
     lines, fp, norm_ratios = [], {}, {}
@@ -277,6 +287,9 @@ def compress_checkpoints(
                                 entry.nbytes, 0.0, note="not in base")
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
             entry, line = _compress_linear_stream(name, base, ft, policy, crc, norm_ratios)
+          elif (embeddings == "1bit" and policy.is_vocab(name) and len(info.shape) == 2
+                and base.info(name).shape == info.shape):
+            entry, line = _compress_linear_stream(name, base, ft, column, crc)
           elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
             # One streamed pass compares and checksums the base; a changed tensor kept as its
             # value needs no second read of the base.
@@ -312,6 +325,7 @@ def compress_checkpoints(
       return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
                       extra={"source": src, "finetuned_config": cfg, "warnings": warnings,
                              "notes": notes, "tokenizer": TOKENIZER_DIR if tok else None,
+                             "embeddings": embeddings,
                              **(extra or {})})
 
 
