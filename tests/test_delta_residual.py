@@ -228,6 +228,16 @@ def test_cli_compress_modes(tmp_path, capsys):
   assert m["lora_rank"] == residual.lora_rank_of(delta.values()) > 0
   assert all(stored_nbytes(e) <= 2 * np.prod(e.packed.shape) / 8
              for e in delta.values() if isinstance(e, ResidualEntry))
+  # `bitdelta apply` materialises the same weights as the in-memory apply
+  assert main(["apply", "--base", str(b), "--delta", str(tmp_path / "d"), "--out",
+               str(tmp_path / "applied"), "--quiet"]) == 0
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+
+  with CheckpointReader(b) as rb, CheckpointReader(tmp_path / "applied") as ra:
+    base_sd = {n: rb.read(n) for n in rb.names()}
+    want = apply_delta(base_sd, delta, hf_layout=True)
+    for n in ra.names():
+      np.testing.assert_array_equal(ra.read(n), want[n])
   assert main([*args, "--out", str(tmp_path / "e"), "--mode", "svd"]) == EXIT_BAD_INPUT
   assert "needs --rank" in capsys.readouterr().err
   assert main([*args, "--out", str(tmp_path / "e"), "--budget", "1/8"]) == EXIT_BAD_INPUT
