@@ -9,6 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` → 
 ``GET /metrics``, and admin ``GET|POST /v1/variants``, ``DELETE /v1/variants/{name}``.
 With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
 Every failure is an OpenAI error object; an unexpected exception is a 500, never a crash.
+The generation routes' request path (prompts, options, n choices, log probabilities, controls,
+structured output, streaming) is `serving.generation`.
 
 Start-up checks the port, then every configured variant (directory, manifest, base, array
 crc32s) before the model loads: a failure is a `BadVariantsError`, or with
@@ -36,7 +38,8 @@ from bitdelta_jax.delta.store import DeltaStoreError, check_base, load_delta
 from serving import protocol as P
 from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
-from serving.engine import Engine, Event, GenRequest
+from serving.engine import Engine
+from serving.generation import generate, unknown
 from serving.metrics import CONTENT_TYPE_LATEST, Metrics
 from serving.registry import (
   Registry,
@@ -45,7 +48,7 @@ from serving.registry import (
   changes_embeddings,
   is_adapter,
 )
-from serving.router import Router, UnknownModel
+from serving.router import Router
 
 log = logging.getLogger("serving.app")
 SERVER_KEY = web.AppKey("server", object)
@@ -187,146 +190,10 @@ class Server:
 
   # -- generation ------------------------------------------------------------------------------
   async def completions(self, request: web.Request) -> web.StreamResponse:
-    return await self._generate(request, chat=False)
+    return await generate(self, request, chat=False)
 
   async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-    return await self._generate(request, chat=True)
-
-  async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-    from bitdelta_jax.models.sampling import SamplingParams
-
-    arrival = time.perf_counter()
-    endpoint = "chat" if chat else "completions"
-    body = P.parse_json(await request.read())
-    model = P.model_of(body)
-    if not self.router.knows(model):
-      raise _unknown(model)
-    variant = self.registry.get(model)  # None: the base
-    tok = (variant.tokenizer if variant is not None else None) or self.tokenizer
-    vocab = self.engine.vocab_size + (variant.added_tokens if variant is not None else 0)
-    if chat:
-      msgs = P.messages_of(body)
-      # the variant's own chat template; one whose tokenizer has none uses the base's
-      templated = tok if tok.chat_template else self.tokenizer
-      try:
-        text = templated.apply_chat_template(msgs, add_generation_prompt=True)
-      except Exception as e:  # noqa: BLE001  a template that rejects these messages
-        raise P.invalid("messages", f"the chat template rejected them ({e})") from None
-      prompt = tok.encode(text, add_special_tokens=False)  # the template holds its specials
-    else:
-      prompt = P.prompt_of(body, tok, vocab, self.engine.vocab_size)
-    opts = P.options_of(body, chat=chat)
-    cfg = self.cfg
-    if len(prompt) > cfg.max_prompt_tokens:
-      raise P.ApiError(
-        400, f"the prompt is {len(prompt)} tokens; this model's context is {cfg.max_seq_len} "
-        f"tokens, so prompts may have at most {cfg.max_prompt_tokens}",
-        param="messages" if chat else "prompt", code="context_length_exceeded")
-    room = cfg.max_seq_len - len(prompt)
-    max_tokens = min(opts.max_tokens or cfg.default_max_tokens, room)
-    params = SamplingParams(
-      temperature=opts.temperature, top_p=opts.top_p,
-      top_k=opts.top_k if opts.top_k < self.engine.vocab_size else 0,  # >= vocab: no top-k
-      seed=opts.seed,
-      max_new_tokens=max_tokens, stop_token_ids=() if opts.ignore_eos else tok.stop_token_ids,
-      stop_strings=opts.stop)
-    if not self.engine.alive:
-      raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
-    if self.engine.lost:
-      raise P.ApiError(503, self.engine.lost, code="worker_lost")
-
-    try:
-      lease = await self.router.acquire(model)
-    except UnknownModel:  # deleted meanwhile
-      raise _unknown(model) from None
-    except LoadError as e:
-      self.metrics.requests.labels(model, endpoint, "503").inc()
-      code = "worker_lost" if self.engine.lost else "variant_load_failed"
-      raise P.ApiError(503, str(e), code=code,
-                       headers={"Retry-After": str(max(1, int(cfg.load_retry_s)))}) from None
-    if _gone(request):  # the client left while its variant loaded: generate nothing
-      lease.release()
-      self.metrics.requests.labels(model, endpoint, "499").inc()
-      return web.Response(status=499, text="the client disconnected")  # never sent
-
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def deliver(ev: Event) -> None:  # event loop
-      if ev.kind in ("done", "error"):
-        lease.release()  # the engine has let go of the row, hence of the slot
-      events.put_nowait(ev)
-
-    req = GenRequest(prompt=list(prompt), slot=lease.slot, params=params, model=model,
-                     emit=lambda ev: loop.call_soon_threadsafe(deliver, ev), arrival=arrival,
-                     tokenizer=tok)
-    self.metrics.prompt_tokens.labels(model).inc(len(prompt))
-    finished = False
-    try:
-      self.engine.submit(req)
-      rid, created = P.new_id(chat), P.now()
-      if opts.stream:
-        resp = await self._stream(request, req, events, rid, created, model, chat, opts,
-                                  len(prompt))
-        finished = True
-        self.metrics.requests.labels(model, endpoint, "200").inc()
-        return resp
-      parts, ev = [], None
-      while True:
-        ev = await _next_event(events, request)
-        if ev is None:  # the client went away: stop decoding (the engine frees the row)
-          req.cancelled = True
-          finished = True
-          self.metrics.requests.labels(model, endpoint, "499").inc()
-          return web.Response(status=499, text="the client disconnected")  # never sent
-        if ev.kind == "error":
-          finished = True
-          if ev.code == "worker_lost":
-            raise P.ApiError(503, f"generation failed: {ev.message}", code="worker_lost")
-          raise P.ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
-        parts.append(ev.text)
-        if ev.kind == "done":
-          break
-      finished = True
-      self.metrics.requests.labels(model, endpoint, "200").inc()
-      return web.json_response(P.completion(
-        rid, model, "".join(parts), ev.finish_reason, P.usage(len(prompt), ev.completion_tokens),
-        chat=chat, created=created))
-    finally:
-      if not finished:
-        req.cancelled = True  # the engine frees the row at its next step, then releases
-
-  async def _stream(self, request, req, events, rid, created, model, chat, opts,
-                    prompt_tokens) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    try:
-      if chat:
-        await resp.write(P.sse(P.chunk(rid, model, chat=True, created=created, text="", role=True)))
-      while True:
-        ev = await events.get()
-        if ev.kind == "error":
-          await resp.write(P.sse(P.error_body(f"generation failed: {ev.message}", "server_error",
-                                              code=ev.code or "generation_failed")))
-          break
-        if ev.text:
-          await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created, text=ev.text)))
-        if ev.kind == "done":
-          await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created,
-                                         text=None if chat else "", finish=ev.finish_reason)))
-          if opts.include_usage:
-            await resp.write(P.sse(P.chunk(rid, model, chat=chat, created=created, empty=True,
-                                           use=P.usage(prompt_tokens, ev.completion_tokens))))
-          break
-      await resp.write(P.sse("[DONE]"))
-      await resp.write_eof()
-    except ConnectionError:  # the client went away: free the row, nothing to answer
-      req.cancelled = True
-    except asyncio.CancelledError:
-      req.cancelled = True
-      raise
-    return resp
+    return await generate(self, request, chat=True)
 
   # -- models ----------------------------------------------------------------------------------
   def _model_obj(self, name: str, created: float, parent: str | None) -> dict:
@@ -345,7 +212,7 @@ class Server:
       return web.json_response(self._model_obj(name, self.started, None))
     v = self.registry.get(name)
     if v is None:
-      raise _unknown(name)
+      raise unknown(name)
     return web.json_response(self._model_obj(v.name, v.registered_at, self.cfg.model_id))
 
   # -- admin -----------------------------------------------------------------------------------
@@ -397,7 +264,7 @@ class Server:
     try:
       v = await self.registry.remove(name, self.cache.drop)
     except KeyError:
-      raise _unknown(name) from None
+      raise unknown(name) from None
     log.info("deleted variant %s", name)
     return web.json_response({"id": v.name, "object": "model", "deleted": True})
 
@@ -426,25 +293,6 @@ class Server:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-DISCONNECT_POLL_S = 0.25
-
-
-async def _next_event(events: asyncio.Queue, request: web.Request) -> Event | None:
-  """The next engine event, or None once the client has disconnected (aiohttp does not
-  cancel a handler when its client goes away, so a non-streaming handler polls)."""
-  while True:
-    try:
-      return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
-    except TimeoutError:
-      if _gone(request):
-        return None
-
-
-def _gone(request: web.Request) -> bool:
-  t = request.transport
-  return t is None or t.is_closing()
-
-
 def _read_manifests(variants) -> dict:
   from bitdelta_jax.delta.store import read_manifest
 
@@ -460,11 +308,6 @@ def _read_manifests(variants) -> dict:
     except (DeltaStoreError, OSError, ValueError) as e:
       out[name] = e
   return out
-
-
-def _unknown(model) -> P.ApiError:
-  return P.ApiError(404, f"the model {model!r} does not exist", param="model",
-                    code="model_not_found")
 
 
 # -- middleware -------------------------------------------------------------------------------

@@ -16,7 +16,10 @@ A mesh or several processes: the JetStream-shaped loop over a fixed set of decod
 multi-process plans replay (`serving.multihost`).
 
 Stops (EOS, stop strings, max tokens, context) are applied here on the host in both loops, so
-a finished sequence is freed at once.
+a finished sequence is freed at once. The paged loop takes a request's ``n`` choices of one
+prompt as a group (`Engine.submit_group` → ``PagedGenerator.add_n``: one prefill), attaches each
+token's log probabilities to the events that carry its text (and an echo's prompt log
+probabilities to a choice's first event), and ends a sequence whose grammar is complete.
 
 Each request's ``emit`` is called on this thread with `Event`s; the server's ``emit`` forwards
 them to the event loop with ``loop.call_soon_threadsafe``. The last event is always ``done``
@@ -51,6 +54,10 @@ class Event:
   completion_tokens: int = 0
   message: str | None = None
   code: str | None = None  # "worker_lost": a multi-process step lost a worker (HTTP 503)
+  # (token id, logprob, [(alternative id, logprob)]) of each token behind this event's text
+  logprobs: list | None = None
+  # a choice's first event with echo + logprobs: the prompt's entries (the first logprob None)
+  prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -70,6 +77,10 @@ class GenRequest:
   tokens: list[int] = dataclasses.field(default_factory=list)
   sent: int = 0  # characters of the decoded text already emitted
   t_last: float = 0.0
+  seq: object = None  # the paged engine's sequence of this choice
+  group: list = dataclasses.field(default_factory=list)  # the n choices of one prompt
+  pending_logprobs: list = dataclasses.field(default_factory=list)  # not yet emitted
+  emitted: bool = False
 
 
 class Engine:
@@ -87,6 +98,7 @@ class Engine:
     self._ready: concurrent.futures.Future = concurrent.futures.Future()
     self.gen = None
     self.vocab_size = 0
+    self.paged = False
     # read (not written) by the event loop: plain ints are safe to read across threads
     self.active_rows = 0
     self.queue_depth = 0
@@ -100,8 +112,15 @@ class Engine:
     return self._ready
 
   def submit(self, req: GenRequest) -> None:
+    self.submit_group([req])
+
+  def submit_group(self, reqs: list[GenRequest]) -> None:
+    """The ``n`` choices of one prompt (same prompt, slot and params): one prefill, then each
+    its own stream (the paged engine; the fixed-row engine takes only groups of one)."""
+    for r in reqs:
+      r.group = list(reqs)
     self.queue_depth += 1  # approximate (racy by one at worst); the device thread corrects it
-    self._inbox.put(("req", req))
+    self._inbox.put(("req", reqs))
 
   def call(self, fn: Callable) -> concurrent.futures.Future:
     """Runs ``fn(generator)`` on the device thread between decode steps."""
@@ -134,6 +153,9 @@ class Engine:
                           extra_vocab=self.extra_vocab, tokenizer=self.tokenizer,
                           model_factory=self._model_factory)
     self.vocab_size = gen.model.config.vocab_size
+    from bitdelta_jax.models.paged import PagedGenerator
+
+    self.paged = isinstance(gen, PagedGenerator)  # n, logprobs, controls: the paged engine's
     if cfg.multi_process:
       gen = multihost.LeaderGenerator(multihost.Replica(gen), timeout_s=cfg.step_timeout_s,
                                       max_plan_bytes=nbytes)
@@ -206,7 +228,7 @@ class Engine:
             self._emit(r, Event("error", message="server shutting down"))
           return
         if item[0] == "req":
-          pending.append(item[1])
+          pending.extend(item[1])
         else:
           _, fn, fut = item
           if fut.set_running_or_notify_cancel():
@@ -297,11 +319,14 @@ class Engine:
   def _loop_paged(self, gen) -> None:
     m = self.metrics
 
-    def on_request(r: GenRequest) -> None:
+    def on_request(reqs: list[GenRequest]) -> None:
+      r = reqs[0]
       try:
-        gen.add(r.prompt, r.slot, r.params, tag=r)
+        for q, s in zip(reqs, gen.add_n(r.prompt, r.slot, r.params, reqs)):
+          q.seq = s
       except ValueError as e:
-        self._emit(r, Event("error", message=str(e)))
+        for q in reqs:
+          self._emit(q, Event("error", message=str(e)))
 
     while True:
       if not self._drain_inbox(not gen.has_work, on_request):
@@ -310,9 +335,11 @@ class Engine:
         return
       for s in list(gen.running) + list(gen.waiting):
         if s.tag.cancelled:
+          dropped = [s, *s.followers]  # choices not forked yet go with their leader
           gen.finish(s)
-          self._emit(s.tag, Event("done", finish_reason="cancelled",
-                                  completion_tokens=len(s.tag.tokens)))
+          for x in dropped:
+            self._emit(x.tag, Event("done", finish_reason="cancelled",
+                                    completion_tokens=len(x.tag.tokens)))
       if not gen.has_work:
         self._gauges(0, 0, gen.max_rows)
         continue
@@ -321,8 +348,10 @@ class Engine:
       except Exception as e:  # noqa: BLE001  one failed step must not stop the engine
         log.exception("engine step failed")
         for s in list(gen.running) + list(gen.waiting):
+          dropped = [s, *s.followers]
           gen.finish(s)
-          self._emit(s.tag, Event("error", message=f"engine step failed: {e}", code=_code(e)))
+          for x in dropped:
+            self._emit(x.tag, Event("error", message=f"engine step failed: {e}", code=_code(e)))
         continue
       self.steps += 1
       for s, msg in res.errors:
@@ -335,7 +364,7 @@ class Engine:
         else:
           m.itl.labels(r.model).observe(now - r.t_last)
         r.t_last = now
-        if self._accept(r, tok, now):
+        if self._accept(r, tok, now, s):
           gen.finish(s)
       self._gauges(len(gen.running), len(gen.waiting), gen.max_rows)
 
@@ -348,12 +377,18 @@ class Engine:
     m.batch_occupancy.set(active / max_rows)
 
   # -- per-token host logic --------------------------------------------------------------------
-  def _accept(self, r: GenRequest, tok: int, now: float) -> bool:
-    """Adds a token to ``r``; emits text; returns True (after emitting ``done``) when finished."""
+  def _accept(self, r: GenRequest, tok: int, now: float, seq=None) -> bool:
+    """Adds a token to ``r``; emits text; returns True (after emitting ``done``) when finished.
+    ``seq`` (paged engine): the sequence, whose log probabilities and grammar state are read."""
     p = r.params
+    if p.max_new_tokens == 0:  # echo only: the token drawn after the prompt is not kept
+      return self._finish(r, "length", "")
     if tok in p.stop_token_ids:
       return self._finish(r, "stop", None)
     r.tokens.append(tok)
+    if seq is not None and p.logprobs is not None and seq.token_logprobs:
+      lp, ids, vals = seq.token_logprobs[-1]
+      r.pending_logprobs.append((tok, lp, list(zip(ids, vals))))
     self.metrics.generated_tokens.labels(r.model).inc()
     tk = r.tokenizer or self.tokenizer
     text = tk.decode(r.tokens) if tk is not None else ""
@@ -361,6 +396,8 @@ class Engine:
       hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop_strings) if i >= 0]
       if hits:
         return self._finish(r, "stop", text[: min(hits)])
+    if seq is not None and seq.matcher is not None and seq.matcher.is_finished():
+      return self._finish(r, "stop", text)  # the structured output is complete
     if len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.cfg.max_seq_len:
       return self._finish(r, "length", text)
     hold = max((len(s) for s in p.stop_strings), default=1) - 1
@@ -381,10 +418,29 @@ class Engine:
     return True
 
   def _emit(self, r: GenRequest, ev: Event) -> None:
+    if ev.kind in ("token", "done"):
+      if r.pending_logprobs:
+        ev.logprobs, r.pending_logprobs = r.pending_logprobs, []
+      if not r.emitted:
+        ev.prompt_logprobs = _prompt_entries(r)
+      r.emitted = True
     try:
       r.emit(ev)
     except Exception:  # noqa: BLE001  e.g. the event loop is closed
       log.debug("dropping event for a closed request", exc_info=True)
+
+
+def _prompt_entries(r: GenRequest) -> list | None:
+  """The prompt's log-probability entries (echo), from choice 0's sequence, which scored it."""
+  if getattr(r.params, "prompt_logprobs", None) is None:
+    return None
+  lead = (r.group[0] if r.group else r).seq
+  scores = lead.prompt_logprobs if lead is not None else {}
+  out = [(r.prompt[0], None, None)]
+  for i in range(1, len(r.prompt)):
+    lp, ids, vals = scores.get(i, (None, [], []))
+    out.append((r.prompt[i], lp, list(zip(ids, vals))))
+  return out
 
 
 def enable_compile_cache() -> None:

@@ -13,7 +13,6 @@ import secrets
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -145,11 +144,6 @@ UNSUPPORTED: dict[str, tuple] = {  # field -> (is_neutral(value), what it would 
   "functions": (_neutral_empty, "function calling is not supported"),
   "tool_choice": (lambda x: x in (None, "none", "auto"), "tool calling is not supported"),
   "function_call": (lambda x: x in (None, "none", "auto"), "function calling is not supported"),
-  "response_format": (lambda x: x is None or x == {"type": "text"},
-                      "structured output (response_format) is not supported; only "
-                      '{"type": "text"}'),
-  "logit_bias": (_neutral_empty, "logit_bias is not supported"),
-  "top_logprobs": (lambda x: x in (None, 0), "log probabilities are not supported"),
   "suffix": (lambda x: x in (None, ""), "suffix (insertion) is not supported"),
   "audio": (_neutral_none, "audio output is not supported"),
   "modalities": (lambda x: x in (None, ["text"]), 'only the "text" modality is supported'),
@@ -157,10 +151,7 @@ UNSUPPORTED: dict[str, tuple] = {  # field -> (is_neutral(value), what it would 
   "web_search_options": (_neutral_none, "web search is not supported"),
   # vLLM sampling extensions
   "min_p": (lambda x: x in (None, 0), "min_p sampling is not supported"),
-  "repetition_penalty": (lambda x: x in (None, 1), "repetition_penalty is not supported"),
-  "min_tokens": (lambda x: x in (None, 0), "min_tokens is not supported"),
   "use_beam_search": (_neutral_false, "beam search is not supported"),
-  "stop_token_ids": (_neutral_empty, "stop_token_ids is not supported; use stop strings"),
   "include_stop_str_in_output": (_neutral_false, "include_stop_str_in_output is not supported"),
   "guided_json": (_neutral_none, "guided decoding is not supported"),
   "guided_regex": (_neutral_none, "guided decoding is not supported"),
@@ -171,21 +162,12 @@ UNSUPPORTED: dict[str, tuple] = {  # field -> (is_neutral(value), what it would 
 
 
 def refuse_unsupported(body: Mapping, *, chat: bool) -> None:
-  """400 for the first field of `UNSUPPORTED` (and the penalties, n, best_of, logprobs, echo)
-  that asks for something this server does not do."""
-  for key in ("presence_penalty", "frequency_penalty"):
-    if _num(body, key, 0.0, -2.0, 2.0) != 0.0:
-      raise invalid(key, "penalties are not supported; send 0 or leave it out",
-                    code="unsupported_parameter")
-  if _int(body, "n", 1) not in (None, 1):
-    raise invalid("n", "only n=1 is supported", code="unsupported_parameter")
+  """400 for the first field of `UNSUPPORTED` (and best_of) that asks for something this server
+  does not do. (n, logprobs, echo, penalties, logit_bias, ... are read by
+  `serving.openai_params.controls_of`.)"""
   if _int(body, "best_of", 1) not in (None, 1):
-    raise invalid("best_of", "only best_of=1 is supported", code="unsupported_parameter")
-  lp = body.get("logprobs")
-  if lp not in (None, False) and not (lp == 0 and not chat and not isinstance(lp, bool)):
-    raise invalid("logprobs", "log probabilities are not supported", code="unsupported_parameter")
-  if body.get("echo") not in (None, False):
-    raise invalid("echo", "echo is not supported", code="unsupported_parameter")
+    raise invalid("best_of", "only best_of=1 is supported (n choices are)",
+                  code="unsupported_parameter")
   for key, (neutral, what) in UNSUPPORTED.items():
     x = body.get(key)
     try:
@@ -197,10 +179,13 @@ def refuse_unsupported(body: Mapping, *, chat: bool) -> None:
 
 
 def options_of(body: Mapping, *, chat: bool) -> Options:
+  """The sampling / output options; ``max_completion_tokens`` (OpenAI's newer name) wins over
+  ``max_tokens``; 0 is allowed only with ``echo`` (a scoring request)."""
   refuse_unsupported(body, chat=chat)
-  max_tokens = _int(body, "max_tokens", 1)
-  if chat and body.get("max_completion_tokens") is not None:
-    max_tokens = _int(body, "max_completion_tokens", 1)
+  key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+  max_tokens = _int(body, key, 0)
+  if max_tokens == 0 and (chat or body.get("echo") is not True):
+    raise invalid(key, "must be >= 1 (0 only with echo: true, to score the prompt)")
   stop = body.get("stop")
   if stop is None:
     stops: tuple[str, ...] = ()
@@ -231,15 +216,33 @@ def options_of(body: Mapping, *, chat: bool) -> Options:
   )
 
 
-def prompt_of(body: Mapping, tokenizer, vocab_size: int, base_vocab: int | None = None) -> list[int]:
-  """`/v1/completions` ``prompt``: a string, a list of token ids, or a one-element list of either.
-  Token ids must be below ``vocab_size`` (the serving variant's: the base's plus the tokens it
-  added; ``base_vocab`` names the base's in the error)."""
+MAX_PROMPTS = 64
+
+
+def prompts_of(body: Mapping, tokenizer, vocab_size: int,
+               base_vocab: int | None = None) -> list[list[int]]:
+  """`/v1/completions` ``prompt``: a string, a list of token ids, or a list of either (one
+  choice per prompt, in order). Token ids must be below ``vocab_size`` (the serving variant's:
+  the base's plus the tokens it added; ``base_vocab`` names the base's in the error)."""
   p = body.get("prompt")
   if p is None:
     raise invalid("prompt", "is required")
-  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-    p = p[0]
+  if isinstance(p, list) and p and all(isinstance(x, str | list) for x in p):
+    if len(p) > MAX_PROMPTS:
+      raise invalid("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(p)}")
+    return [_one_prompt(x, tokenizer, vocab_size, base_vocab) for x in p]
+  return [_one_prompt(p, tokenizer, vocab_size, base_vocab)]
+
+
+def prompt_of(body: Mapping, tokenizer, vocab_size: int, base_vocab: int | None = None) -> list[int]:
+  """A `prompts_of` that holds exactly one prompt."""
+  ps = prompts_of(body, tokenizer, vocab_size, base_vocab)
+  if len(ps) != 1:
+    raise invalid("prompt", "must be a single prompt here")
+  return ps[0]
+
+
+def _one_prompt(p, tokenizer, vocab_size: int, base_vocab: int | None) -> list[int]:
   if isinstance(p, str):
     ids = tokenizer.encode(check_text(p, "prompt"), add_special_tokens=True)
   elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
@@ -252,10 +255,8 @@ def prompt_of(body: Mapping, tokenizer, vocab_size: int, base_vocab: int | None 
       raise invalid("prompt", f"token id {bad[0]} is outside this model's vocabulary "
                               f"[0, {vocab_size}){why}")
     ids = list(p)
-  elif isinstance(p, list):
-    raise invalid("prompt", "batched prompts are not supported; send one prompt per request")
   else:
-    raise invalid("prompt", "must be a string or a list of token ids")
+    raise invalid("prompt", "must be a string, a list of token ids, or a list of either")
   if not ids and tokenizer.bos_token_id is not None:
     ids = [tokenizer.bos_token_id]
   if not ids:
@@ -305,41 +306,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
           "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion(rid: str, model: str, text: str, finish: str | None, use: dict | None,
-               *, chat: bool, created: int) -> dict:
-  if chat:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text},
-              "logprobs": None, "finish_reason": finish}
-    obj = "chat.completion"
-  else:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-    obj = "text_completion"
-  out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+def completion(rid: str, model: str, choices: list[dict], use: dict | None, *, chat: bool,
+               created: int) -> dict:
+  """A whole response; ``choices`` as `serving.choices.Choices.final` gives them."""
+  out = {"id": rid, "object": "chat.completion" if chat else "text_completion",
+         "created": created, "model": model, "choices": choices}
   if use is not None:
     out["usage"] = use
   return out
 
 
-def chunk(rid: str, model: str, *, chat: bool, created: int, text: str | None = None,
-          finish: str | None = None, role: bool = False, use: dict | None = None,
-          empty: bool = False) -> dict:
-  """One SSE payload; ``empty`` gives the usage-only chunk (no choices)."""
-  if chat:
-    delta: dict[str, Any] = {}
-    if role:
-      delta["role"] = "assistant"
-    if text is not None:
-      delta["content"] = text
-    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-    obj = "chat.completion.chunk"
-  else:
-    choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    obj = "text_completion"
-  out = {"id": rid, "object": obj, "created": created, "model": model,
-         "choices": [] if empty else [choice]}
+def chunk(rid: str, model: str, *, chat: bool, created: int, choices: list[dict] | None = None,
+          use: dict | None = None) -> dict:
+  """One SSE payload; no ``choices`` gives the usage-only chunk."""
+  out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+         "created": created, "model": model, "choices": choices or []}
   if use is not None:
     out["usage"] = use
   return out
+
+
+def role_choice(index: int) -> dict:
+  """A chat stream's first choice object: the assistant role, no text yet."""
+  return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+          "finish_reason": None}
 
 
 def sse(obj: dict | str) -> bytes:

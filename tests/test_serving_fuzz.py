@@ -51,9 +51,11 @@ FIELDS = {
   "top_logprobs": _field(INTS), "echo": _field(st.booleans()), "suffix": _field(TEXT),
   "presence_penalty": _field(st.just(0) | FLOATS), "user": ANY,
 }
-RARE = {  # fields the server refuses unless neutral: a body rarely has one
+RARE = {  # fields a body rarely has (refused unless neutral, or costly: a grammar, controls)
   "logit_bias": ANY, "tools": ANY, "tool_choice": ANY, "response_format": ANY, "min_p": ANY,
   "repetition_penalty": ANY, "frequency_penalty": _field(FLOATS),
+  "min_tokens": _field(INTS), "stop_token_ids": _field(st.lists(INTS, max_size=3)),
+  "return_tokens_as_token_ids": _field(st.booleans()),
 }
 
 

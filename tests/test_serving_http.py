@@ -218,7 +218,8 @@ def test_error_objects(server):
   is_error(post(server, "/v1/completions", {"model": "v0"}), 400, param="prompt")
   cases = {
     "temperature": [-1, 3, "hot"], "top_p": [0, 1.5, "x"], "max_tokens": [0, "5", 1.5],
-    "n": [2], "stop": [5, ["a"] * 5], "seed": ["x"], "stream": ["yes"], "logprobs": [3],
+    "n": [0, 17, "2"], "stop": [5, ["a"] * 5], "seed": ["x"], "stream": ["yes"],
+    "logprobs": [21, -1, True], "echo": ["yes"], "logit_bias": [[1], {"x": 1}, {"1": 200}],
   }
   for field, values in cases.items():
     for value in values:
