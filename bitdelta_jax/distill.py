@@ -178,7 +178,8 @@ class _StudentTensors(Mapping):
 
 def build_student(base_dir, ft_dir, delta: Mapping, *, dtype=jnp.float32):
   """The model whose slot ``SLOT`` is base + α·sign(Δ) on the linear layers, with every other
-  tensor (embeddings, LM head, norms, biases; a grown vocabulary too) as in the fine-tune."""
+  tensor (embeddings, LM head, norms, biases; a grown vocabulary too) as in the fine-tune, or,
+  when the delta stores them 1-bit, as the delta serves them (base + α·sign, α not trained)."""
   packed = {n for n, e in delta.items() if isinstance(e, PackedDelta)}
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     for n in sorted(packed):
@@ -188,7 +189,9 @@ def build_student(base_dir, ft_dir, delta: Mapping, *, dtype=jnp.float32):
       if base.info(n).shape != ft.info(n).shape:
         raise DeltaMismatchError(f"tensor {n!r} has shape {list(base.info(n).shape)} in "
                                  f"{base_dir} but {list(ft.info(n).shape)} in {ft_dir}")
-    cfg = load_config(ft_dir, num_slots=SLOT + 1)
+    # 1-bit embedding / LM-head deltas stay 1-bit in the student (their α does not train)
+    emb = any("embed_tokens" in n or "lm_head" in n for n in packed)
+    cfg = load_config(ft_dir, num_slots=SLOT + 1, packed_embedding_slots=emb)
     student = from_tensors(cfg, _StudentTensors(base, ft, packed), dtype)
   load_variant(student, SLOT, {n: delta[n] for n in packed})
   return student

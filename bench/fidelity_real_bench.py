@@ -1,0 +1,238 @@
+"""Fidelity of compressed *real* variants: full fine-tunes of SmolLM2-135M-Instruct
+(`bitdelta_jax.zoo.real_family`) → bench/results/fidelity_real.{json,md,png}.
+
+Per variant: the base, the full fine-tune, BitDelta per-matrix / per-column (1-bit embeddings
+with a per-token α where the fine-tune changed them, norms exact), per-column with scale
+distillation, and D-QRELO (1-bit + compensated low-rank residual, `delta.residual`) at 1/15 of
+the bf16 bytes of each linear weight. For each: task score (greedy exact match on held-out
+prompts, %), NLL per answer token, mean KL(fine-tune ‖ variant) per answer token, and the
+whole-variant bytes against the bf16 fine-tune (``2 × parameters``) and against the bf16 linear
+layers alone.
+
+    python bench/fidelity_real_bench.py [--variants smol-math ...] [--n-eval 48]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from bitdelta_jax.delta.compress import CompressPolicy, apply_delta  # noqa: E402
+from bitdelta_jax.delta.store import load_delta, read_manifest  # noqa: E402
+from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from bitdelta_jax.models import from_pretrained  # noqa: E402
+from bitdelta_jax.models.loading import from_tensors, load_config  # noqa: E402
+from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
+from bitdelta_jax.zoo import real_family as rf  # noqa: E402
+from bitdelta_jax.zoo.real_base import import_real_base  # noqa: E402
+
+GOAL_POINTS = 1.0  # distilled BitDelta within 1 point of the fine-tune (issue 12, item 4)
+EMB = ("embed_tokens", "lm_head")
+
+
+def tensor_bytes(manifest: dict, names=None) -> int:
+  total = 0
+  for n, meta in manifest["tensors"].items():
+    if names is not None and n not in names:
+      continue
+    for a in meta["arrays"].values():
+      total += int(np.prod(a["shape"])) * np.dtype(a["dtype"].replace("bfloat16", "float16")).itemsize
+  return total
+
+
+def evaluate(mc, base_t, delta, teacher, tok, examples) -> dict:
+  model = from_tensors(mc, apply_delta(base_t, delta, hf_layout=True), jnp.float32)
+  return rf.score(model, examples, tok, reference=teacher)
+
+
+def calibration_ids(tok, name: str, n: int = 256) -> np.ndarray:
+  """Chat-formatted training examples of the variant's task, concatenated (never held out)."""
+  import random
+
+  task = rf.TASKS[rf.VARIANTS[name].task]
+  rng = random.Random(f"{name}:calibration")
+  ids = []
+  for _ in range(n):
+    p, a = task.example(rng)
+    ids += rf.chat_ids(tok, p) + tok.encode(a + rf.END, add_special_tokens=False)
+  return np.asarray(ids, np.int32)
+
+
+def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
+  from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
+  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.distill import DistillConfig, distill_checkpoint
+
+  t0 = time.time()
+  ft_dir = rf.ensure_real_finetune(name, progress=False)
+  teacher = from_pretrained(ft_dir, jnp.float32)
+  examples = rf.heldout(name, args.n_eval)
+  with CheckpointReader(ft_dir) as r:
+    n_params = sum(int(np.prod(r.info(n).shape)) for n in r.names())
+    linear = [n for n in r.names() if len(r.info(n).shape) == 2 and not any(e in n for e in EMB)]
+    n_linear = sum(int(np.prod(r.info(n).shape)) for n in linear)
+  rows = {}
+
+  def record(label, res, manifest=None, nbytes=None):
+    if manifest is not None or nbytes is not None:
+      nb = tensor_bytes(manifest) if nbytes is None else nbytes
+      res.update(bytes=nb, whole_ratio=2 * n_params / nb,
+                 linear_ratio=2 * n_linear / tensor_bytes(manifest, set(linear))
+                 if manifest is not None else None)
+    rows[label] = res
+    print(f"  {name:12s} {label:24s} score {res['score']:5.1f}  nll {res['nll']:.3f}"
+          + (f"  kl {res['kl']:.4f}" if res.get("kl") is not None else "")
+          + (f"  1/{res['whole_ratio']:.1f} of bf16" if "whole_ratio" in res else ""), flush=True)
+
+  record("base", rf.score(from_pretrained(base_dir, jnp.float32), examples, tok,
+                          reference=teacher))
+  record("fine-tune", rf.score(teacher, examples, tok, reference=teacher))
+  for gran in ("matrix", "column"):
+    d = work / f"{name}-{gran}"
+    m = compress_checkpoints(base_dir, ft_dir, d, CompressPolicy(granularity=gran),
+                             embeddings="1bit", overwrite=True, progress=False)
+    record(f"bitdelta per-{gran}", evaluate(mc, base_t, load_delta(d)[0], teacher, tok,
+                                            examples), m)
+  d = work / f"{name}-column"
+  dd = work / f"{name}-column-distilled"
+  shutil.rmtree(dd, ignore_errors=True)
+  shutil.copytree(d, dd)
+  info = distill_checkpoint(base_dir, ft_dir, dd, calibration_ids(tok, name),
+                            DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
+                            progress=False)
+  record("bitdelta per-column +distill", evaluate(mc, base_t, load_delta(dd)[0], teacher, tok,
+                                                  examples), read_manifest(dd))
+  rows["bitdelta per-column +distill"]["distill"] = {
+    k: info[k] for k in ("steps", "held_mse_before", "held_mse_after", "seconds")}
+  # D-QRELO on the linear layers; embeddings as the 1-bit per-column delta above.
+  q = work / f"{name}-dqrelo"
+  mq = compress_modes(base_dir, ft_dir, q, CompressPolicy(granularity="column", mode="dqrelo",
+                                                          budget=args.budget, iters=1),
+                      overwrite=True, progress=False)
+  delta_q = load_delta(q)[0]
+  mc_col = read_manifest(d)
+  emb_names = [n for n in mc_col["tensors"] if any(e in n for e in EMB)]
+  col = load_delta(d)[0]
+  for n in emb_names:
+    delta_q[n] = col[n]
+  nbytes = tensor_bytes(mq) - tensor_bytes(mq, set(emb_names)) + tensor_bytes(mc_col, set(emb_names))
+  res = evaluate(mc, base_t, delta_q, teacher, tok, examples)
+  res["lora_rank"] = mq.get("lora_rank")
+  record(f"dqrelo {args.budget_text} (+1-bit emb)", res, nbytes=nbytes)
+  rows[f"dqrelo {args.budget_text} (+1-bit emb)"]["linear_ratio"] = (
+    2 * n_linear / tensor_bytes(mq, set(linear)))
+  ft_rec = json.loads((ft_dir / "recipe.json").read_text())
+  return {"rows": rows, "norm_ratios": rf.norm_ratios(base_dir, ft_dir),
+          "train_embeddings": rf.VARIANTS[name].train_embeddings,
+          "finetune_seconds": ft_rec["seconds"], "finetune_loss_first_last": [
+            ft_rec["losses"][0], float(np.mean(ft_rec["losses"][-8:]))],
+          "params": n_params, "linear_params": n_linear, "seconds": time.time() - t0}
+
+
+def write_md(out: Path, result: dict) -> None:
+  lines = ["# Fidelity on real fine-tunes of SmolLM2-135M-Instruct", "",
+           f"Machine: {result['machine']}. Held-out prompts per variant: {result['n_eval']}. "
+           "Score: greedy exact match (%); NLL per answer token; KL(fine-tune ‖ variant) per "
+           "answer token; size: whole variant vs the bf16 fine-tune (2 bytes × parameters), and "
+           "its linear layers vs their bf16 bytes.", "",
+           "| variant | method | score | Δ vs FT | NLL | KL | whole size | linear size |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+  for name, v in result["variants"].items():
+    ft = v["rows"]["fine-tune"]["score"]
+    for label, r in v["rows"].items():
+      size = f"1/{r['whole_ratio']:.1f}" if r.get("whole_ratio") else ""
+      lin = f"1/{r['linear_ratio']:.1f}" if r.get("linear_ratio") else ""
+      kl = f"{r['kl']:.4f}" if r.get("kl") is not None else ""
+      lines.append(f"| {name} | {label} | {r['score']:.1f} | {r['score'] - ft:+.1f} | "
+                   f"{r['nll']:.3f} | {kl} | {size} | {lin} |")
+  lines += ["", "## Goals", ""]
+  for g in result["goals"]:
+    lines.append(f"- {g}")
+  lines += ["", "## ‖Δ‖/‖W‖ per layer type (full fine-tunes)", "",
+            "| variant | embeddings train | " + " | ".join(result["layer_types"]) + " |",
+            "|---|---|" + "---:|" * len(result["layer_types"])]
+  for name, v in result["variants"].items():
+    lines.append(f"| {name} | {'yes' if v['train_embeddings'] else 'no'} | " + " | ".join(
+      f"{v['norm_ratios'].get(t, 0.0):.2e}" for t in result["layer_types"]) + " |")
+  (out / "fidelity_real.md").write_text("\n".join(lines) + "\n")
+
+
+def plot(out: Path, result: dict) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  names = list(result["variants"])
+  labels = list(next(iter(result["variants"].values()))["rows"])
+  fig, ax = plt.subplots(figsize=(10, 4))
+  w = 0.8 / len(labels)
+  for i, label in enumerate(labels):
+    ax.bar(np.arange(len(names)) + i * w, [result["variants"][n]["rows"][label]["score"]
+                                            for n in names], w, label=label)
+  ax.set_xticks(np.arange(len(names)) + 0.4 - w / 2, names)
+  ax.set_ylabel("held-out exact match (%)")
+  ax.set_title("Real SmolLM2-135M fine-tunes: task score by compression method")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(out / "fidelity_real.png", dpi=120)
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--variants", nargs="*", default=list(rf.VARIANTS))
+  p.add_argument("--n-eval", type=int, default=48)
+  p.add_argument("--distill-steps", type=int, default=16)
+  p.add_argument("--budget", default="1/15")
+  p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  args = p.parse_args()
+  num, den = args.budget.split("/")
+  args.budget_text, args.budget = args.budget, float(num) / float(den)
+  base_dir = import_real_base()
+  tok = Tokenizer.from_dir(base_dir)
+  mc = load_config(base_dir)
+  with CheckpointReader(base_dir) as r:
+    base_t = {n: r.read(n) for n in r.names()}
+  out = Path(args.out)
+  result = {"machine": describe(), "n_eval": args.n_eval, "budget": args.budget_text,
+            "recipe": json.loads(rf.RealRecipe().key()), "variants": {}}
+  with tempfile.TemporaryDirectory() as tmp:
+    for name in args.variants:
+      result["variants"][name] = run_variant(name, base_dir, base_t, mc, tok, Path(tmp), args)
+  types = sorted({t for v in result["variants"].values() for t in v["norm_ratios"]})
+  result["layer_types"] = types
+  goals = []
+  for name, v in result["variants"].items():
+    r = v["rows"]
+    ft = r["fine-tune"]["score"]
+    d = r["bitdelta per-column +distill"]["score"] - ft
+    goals.append(f"{name}: distilled BitDelta {d:+.1f} points vs the fine-tune "
+                 f"({'met' if d >= -GOAL_POINTS else 'missed'}, goal within {GOAL_POINTS})")
+    q = next(k for k in r if k.startswith("dqrelo"))
+    dq = r[q]["score"] - ft
+    goals.append(f"{name}: D-QRELO at {args.budget_text} {dq:+.1f} points "
+                 f"({'met' if dq >= -0.3 else 'missed'}, goal within 0.3)")
+    wr = r["bitdelta per-column"]["whole_ratio"]
+    goals.append(f"{name}: whole variant 1/{wr:.1f} of the bf16 fine-tune "
+                 f"({'met' if wr >= 14 else 'missed'}, goal <= 1/14)")
+  result["goals"] = goals
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "fidelity_real.json").write_text(json.dumps(result, indent=1, default=float))
+  write_md(out, result)
+  plot(out, result)
+  print("\n".join(goals))
+
+
+if __name__ == "__main__":
+  main()
