@@ -396,7 +396,7 @@ class Engine:
       hits = [i for i in (text.find(s, max(0, r.sent - len(s))) for s in p.stop_strings) if i >= 0]
       if hits:
         return self._finish(r, "stop", text[: min(hits)])
-    if seq is not None and seq.matcher is not None and seq.matcher.is_finished():
+    if seq is not None and seq.grammar_done:
       return self._finish(r, "stop", text)  # the structured output is complete
     if len(r.tokens) >= p.max_new_tokens or len(r.prompt) + len(r.tokens) >= self.cfg.max_seq_len:
       return self._finish(r, "length", text)

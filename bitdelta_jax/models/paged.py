@@ -65,7 +65,7 @@ from bitdelta_jax.models.paged_batch import (
   Seq,
   StepResult,
   copy_pages_impl,
-  fill_mask,
+  fill_masks,
   finish_reason,
   prng_key,
   run_impl,
@@ -170,6 +170,10 @@ class PagedGenerator:
       raise ValueError(f"slot {slot} out of range [0, {len(self.slot_epoch)})")
     if not tags:
       raise ValueError("at least one choice")
+    width = getattr(params.grammar, "tokenizer_vocab_size", 0)
+    if width > self.vocab_size:
+      raise ValueError(f"the grammar's tokenizer has {width} tokens, more than the model's "
+                       f"{self.vocab_size} logits")
     vkey = (slot, self.slot_epoch[slot]) if slot else (0,)
     group = []
     for i, tag in enumerate(tags):
@@ -307,8 +311,11 @@ class PagedGenerator:
           self._fork(s, copies)
         t = int(tok[j])
         s.tokens.append(t)
-        if s.matcher is not None and not s.matcher.is_finished():
-          s.matcher.accept(t)
+        if s.matcher is not None and not s.grammar_done:
+          try:
+            s.matcher.accept(t)
+          except ValueError as e:  # only if the mask was empty; never fail the whole step
+            s.grammar_error = str(e)
         result.tokens.append((s, t))
     if copies:
       n = _pow2(len(copies))
@@ -460,10 +467,9 @@ class PagedGenerator:
     if not any(s.params.controlled for s in outputs):
       return self._neutral[nout]
     c = LogitControls.neutral(nout, self.vocab_size, self.max_seq_len)
+    fill_masks([s.matcher for s in outputs], c.mask)
     for j, s in enumerate(outputs):
       p = s.params
-      if s.matcher is not None:
-        fill_mask(s.matcher, c.mask[j], self.vocab_size)
       bias = list(p.logit_bias)
       if len(s.generated) < p.min_tokens:
         bias += [(t, -np.inf) for t in p.stop_token_ids]

@@ -113,10 +113,17 @@ class Seq:
   leader: Seq | None = None  # a choice > 0 until it is forked from choice 0 after the prefill
   followers: list[Seq] = dataclasses.field(default_factory=list)
   matcher: object = None  # structured output: the grammar state of this sequence
+  grammar_error: str | None = None  # the grammar refused a sampled token (the sequence ends)
   # per generated token: (logprob, top ids, top logprobs) when params.logprobs is not None
   token_logprobs: list[tuple] = dataclasses.field(default_factory=list)
   # prompt position p -> (logprob of prompt[p], top ids, top logprobs), p >= 1
   prompt_logprobs: dict[int, tuple] = dataclasses.field(default_factory=dict)
+
+  @property
+  def grammar_done(self) -> bool:
+    """The structured output is complete (or its grammar failed): the sequence ends."""
+    return self.matcher is not None and (self.grammar_error is not None
+                                         or self.matcher.is_finished())
 
   @property
   def scores_prompt(self) -> bool:
@@ -138,12 +145,27 @@ class StepResult:
   prefill_tokens: int = 0
 
 
-def fill_mask(matcher, words: np.ndarray, vocab_size: int) -> None:
-  """``matcher``'s allowed tokens into ``words`` (int32 ``[ceil(V / 32)]``). A grammar's
-  tokenizer may know fewer tokens than the model's (padded) vocabulary: the words past its own
-  are cleared, so the model's extra ids are never allowed."""
-  words[:] = 0
-  matcher.fill_bitmask(words)
+def fill_masks(matchers, mask_RxW: np.ndarray) -> None:
+  """Each row's allowed tokens into ``mask_RxW`` (int32 ``[R, ceil(V / 32)]``, pre-filled with
+  all ones): rows with a matcher get its bitmask, the words past its tokenizer's vocabulary
+  cleared (a model's padded ids are never allowed). Grammar matchers of one tokenizer are filled
+  together on llguidance's thread pool (`grammar.fill_bitmask_batch`), others one by one."""
+  rows = [(j, m) for j, m in enumerate(matchers) if m is not None]
+  if not rows:
+    return
+  try:
+    from bitdelta_jax.models.grammar import Matcher, fill_bitmask_batch
+
+    if all(isinstance(m, Matcher) for _, m in rows):
+      sub = np.full((len(rows), mask_RxW.shape[1]), -1, np.int32)
+      fill_bitmask_batch([m for _, m in rows], sub)
+      mask_RxW[[j for j, _ in rows]] = sub
+      return
+  except (ImportError, ValueError):  # no llguidance, or matchers of different tokenizers
+    pass
+  for j, m in rows:
+    mask_RxW[j] = 0
+    m.fill_bitmask(mask_RxW[j])
 
 
 def finish_reason(s: Seq, max_seq_len: int, tokenizer=None):
@@ -160,7 +182,7 @@ def finish_reason(s: Seq, max_seq_len: int, tokenizer=None):
     hits = [text.find(x) for x in p.stop_strings if x and x in text]
     if hits:
       return "stop", list(gen), text[: min(hits)]
-  if s.matcher is not None and s.matcher.is_finished():
+  if s.grammar_done:
     return "stop", list(gen), text
   if len(gen) >= p.max_new_tokens or len(s.tokens) >= max_seq_len:
     return "length", list(gen), text
