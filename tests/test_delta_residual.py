@@ -208,6 +208,8 @@ def test_policy_validation():
     CompressPolicy(mode="svd")
   with pytest.raises(ValueError, match="budget"):
     CompressPolicy(mode="delta-come")
+  with pytest.raises(ValueError, match="rank and budget are for the other modes"):
+    CompressPolicy(budget=1 / 8)
   with pytest.raises(ValueError, match="mode must be"):
     CompressPolicy(mode="nope", rank=2)
   with pytest.raises(ValueError, match="exceeds the budget"):

@@ -67,7 +67,10 @@ class CompressPolicy:
   iters: int = 2
 
   def __post_init__(self):
-    if self.mode != "bitdelta" or self.budget is not None:
+    if self.mode == "bitdelta" and (self.budget is not None or self.rank):
+      raise ValueError("rank and budget are for the other modes (dqrelo, svd, delta-come); "
+                       "a bitdelta delta's size is fixed by its granularity")
+    if self.mode != "bitdelta":
       self.mode_spec()  # validates
     if self.granularity not in GRANULARITIES:
       raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
