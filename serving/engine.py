@@ -331,7 +331,8 @@ class Engine:
     while True:
       if not self._drain_inbox(not gen.has_work, on_request):
         for s in list(gen.running) + list(gen.waiting):
-          self._emit(s.tag, Event("error", message="server shutting down"))
+          for x in [s, *s.followers]:
+            self._emit(x.tag, Event("error", message="server shutting down"))
         return
       for s in list(gen.running) + list(gen.waiting):
         if s.tag.cancelled:
