@@ -210,6 +210,12 @@ class Registry:
           f"{path}: this variant has 1-bit embedding / LM-head deltas, but the server was "
           f"started without per-slot embedding banks (start it with this variant configured)",
           param="path")
+      rank = int(m.get("lora_rank") or 0)  # 1-bit + low-rank / low-rank modes use LoRA banks
+      if rank > self.lora_rank:
+        raise RegistryError(
+          f"{path}: this delta's low-rank part has rank {rank}, but the server's LoRA slots "
+          f"have rank {self.lora_rank} (start it with this variant configured, or with "
+          f"--lora-rank {rank})", param="path")
       added = added_tokens(m, self.vocab_size) if self.vocab_size else 0
       if added > self.extra_vocab:
         raise RegistryError(

@@ -271,6 +271,13 @@ def compress_checkpoints(
   of a grown vocabulary are always kept exactly."""
   if embeddings not in ("exact", "1bit"):
     raise ValueError(f"embeddings must be 'exact' or '1bit', got {embeddings!r}")
+  if policy.mode != "bitdelta":  # low-rank modes read whole matrices: their own streamer
+    if embeddings != "exact":
+      raise ValueError(f"embeddings={embeddings!r} is implemented for mode 'bitdelta' only")
+    from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
+
+    return compress_modes(base_dir, ft_dir, out_dir, policy, overwrite=overwrite,
+                          progress=progress, extra=extra)
   column = dataclasses.replace(policy, granularity="column")
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
