@@ -47,6 +47,7 @@ from serving.registry import (
   added_tokens,
   changes_embeddings,
   is_adapter,
+  packs_embeddings,
 )
 from serving.router import Router
 
@@ -99,6 +100,11 @@ class Server:
     emb = cfg.embedding_slots
     if emb is None:
       emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
+    # 1-bit embedding deltas: packed per-slot banks (1/32 of the dense ones); a mesh has
+    # partition rules for the dense banks only, so there they are densified on load
+    packed = any(isinstance(m, dict) and packs_embeddings(m) for m in manifests.values())
+    if packed and cfg.sharded:
+      emb, packed = True, False
     lora_rank = cfg.lora_rank
     if lora_rank is None:
       lora_rank = max([m["lora_rank"] for m in manifests.values()
@@ -116,10 +122,10 @@ class Server:
                         "(no --mesh, one process)")
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
                              lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
-                             vocab_size=vocab, extra_vocab=extra)
+                             vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed)
     await self._add_config_variants()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
-                         lora_rank=lora_rank, extra_vocab=extra)
+                         lora_rank=lora_rank, extra_vocab=extra, packed_embedding_slots=packed)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
                             write_slot=self._write_slot, io_pool=self.io)

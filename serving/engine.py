@@ -87,9 +87,11 @@ class Engine:
   IDLE_PING_S = 5.0  # multi-process: an idle engine checks its workers this often
   def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *,
                embedding_slots: bool = False, lora_rank: int = 0, extra_vocab: int = 0,
+               packed_embedding_slots: bool = False,
                model_factory: Callable | None = None):
     self.cfg, self.metrics, self.tokenizer = cfg, metrics, tokenizer
     self.extra_vocab = extra_vocab
+    self.packed_embedding_slots = packed_embedding_slots
     self.embedding_slots = embedding_slots
     self.lora_rank = lora_rank
     self._model_factory = model_factory
@@ -150,7 +152,9 @@ class Engine:
       broadcast_json({"op": "build", "embedding_slots": self.embedding_slots,
                       "lora_rank": self.lora_rank}, max_bytes=nbytes)
     gen = build_generator(cfg, embedding_slots=self.embedding_slots, lora_rank=self.lora_rank,
-                          extra_vocab=self.extra_vocab, tokenizer=self.tokenizer,
+                          extra_vocab=self.extra_vocab,
+                          packed_embedding_slots=self.packed_embedding_slots,
+                          tokenizer=self.tokenizer,
                           model_factory=self._model_factory)
     self.vocab_size = gen.model.config.vocab_size
     from bitdelta_jax.models.paged import PagedGenerator
@@ -464,7 +468,8 @@ def _code(e: BaseException) -> str | None:
 
 
 def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_rank: int = 0,
-                    extra_vocab: int = 0, tokenizer=None, model_factory: Callable | None = None):
+                    extra_vocab: int = 0, packed_embedding_slots: bool = False, tokenizer=None,
+                    model_factory: Callable | None = None):
   """The engine's generator: a `Generator`, or with a mesh / several processes a
   `bitdelta_jax.sharding.ShardedGenerator` over the (global) mesh, the base restored straight
   into its shardings. Every process of a multi-process server calls this with the same
@@ -493,7 +498,8 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
   else:
     model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1,
                             dense_embedding_slots=embedding_slots, lora_rank=lora_rank,
-                            extra_vocab=extra_vocab)
+                            extra_vocab=extra_vocab,
+                            packed_embedding_slots=packed_embedding_slots)
   mc = model.config
   token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
   pages_per_seq = -(-cfg.max_seq_len // cfg.page_size)

@@ -12,8 +12,9 @@ from bitdelta_jax.delta.stream import compress_checkpoints
 from bitdelta_jax.models import from_pretrained, from_tensors, load_variant
 from bitdelta_jax.models.loading import load_config
 from bitdelta_jax.synthetic import SyntheticConfig, make_base, make_finetune, write_checkpoint
+from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
 
-CFG = SyntheticConfig(vocab_size=96, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+CFG = SyntheticConfig(vocab_size=264, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2)
 EMB = ("model.embed_tokens.weight", "lm_head.weight")
 
@@ -27,6 +28,7 @@ def pair(tmp_path_factory):
   for n in EMB:  # a real instruct tune trains the embeddings too
     ft[n] = ft[n] + 0.003 * rng.standard_normal(ft[n].shape).astype(np.float32)
   b = write_checkpoint(base, root / "base", CFG.hf_config())
+  write_tokenizer(b)
   f = write_checkpoint(ft, root / "ft", CFG.hf_config())
   m = compress_checkpoints(b, f, root / "delta", embeddings="1bit", progress=False)
   exact = compress_checkpoints(b, f, root / "exact", progress=False)
@@ -60,7 +62,7 @@ def test_one_bit_embeddings_apply_and_serve_from_packed_banks(pair):
   mc = load_config(root / "base")
   model = from_pretrained(root / "base", jnp.float32, num_slots=2, packed_embedding_slots=True)
   load_variant(model, 1, delta)
-  ids = jnp.asarray([[3, 17, 95, 0, 42, 8]])
+  ids = jnp.asarray([[3, 17, 95, 0, 42, 263]])
   got = np.asarray(model(ids, slot_ids=jnp.array([1])))
   want = np.asarray(from_tensors(mc, applied, jnp.float32)(ids))
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
@@ -71,3 +73,42 @@ def test_bad_embeddings_mode_is_refused(pair, tmp_path):
   with pytest.raises(ValueError, match="embeddings must be 'exact' or '1bit'"):
     compress_checkpoints(root / "base", root / "ft", tmp_path / "x", embeddings="2bit",
                          progress=False)
+
+
+def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
+  """Through HTTP: the server builds packed embedding banks for it, and its greedy output
+  equals greedy decoding of the applied dense model."""
+  import requests
+
+  from bitdelta_jax.models.tokenizer import Tokenizer
+  from serving.app import ServerThread
+  from serving.config import ServerConfig
+  from serving.registry import manifest_bytes
+
+  root, base, _, _, exact = pair
+  delta, _ = load_delta(root / "delta")
+  model = from_tensors(load_config(root / "base"), apply_delta(base, delta, hf_layout=True),
+                       jnp.float32)
+  tok = Tokenizer.from_dir(root / "base")
+  ids = tok.encode("hello")
+  prompt_len = len(ids)
+  for _ in range(8):  # one padded shape; causal, so the padding after is never attended
+    padded = np.zeros((1, 32), np.int32)
+    padded[0, :len(ids)] = ids
+    nxt = int(np.argmax(np.asarray(model(jnp.asarray(padded)))[0, len(ids) - 1]))
+    if nxt in tok.stop_token_ids:
+      break
+    ids.append(nxt)
+  want = tok.decode(ids[prompt_len:])
+  cfg = ServerConfig(base=str(root / "base"), base_name="base", port=0, device_slots=1,
+                     max_batch=2, max_seq_len=64, warmup=False,
+                     variants=(("onebit", str(root / "delta")),))
+  with ServerThread(cfg) as h:
+    r = requests.post(h.url + "/v1/completions", json={
+      "model": "onebit", "prompt": "hello", "max_tokens": 8, "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == want
+    info = requests.get(h.url + "/v1/variants", timeout=30).json()["data"][0]
+    # the whole variant (1-bit linear layers and embeddings) against the same with exact
+    # (f32) embeddings: the embedding part dominates the latter
+    assert info["bytes"] * 4 < manifest_bytes(exact)
