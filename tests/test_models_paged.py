@@ -202,9 +202,15 @@ def llama_model(llama_path):
   return from_pretrained(llama_path[1], jnp.float32)
 
 
-def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model):
-  gen = PagedGenerator(llama_model, max_rows=2, max_seq_len=48, page_size=4, prefill_chunk=8,
-                       min_pages_bucket=2)
+@pytest.fixture(scope="module")
+def gen(llama_model):
+  """One engine for these tests (its compiled shapes are shared): pages of 4 tokens, prefill
+  chunks of 8, 4 rows."""
+  return PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8,
+                        min_pages_bucket=2)
+
+
+def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model, gen):
   prompt = list(RNG.randint(3, 256, 19))  # 3 prefill chunks
   gen.generate([prompt], params=SamplingParams(max_new_tokens=2))  # its pages are now cached
   p = SamplingParams(max_new_tokens=5, temperature=0.8, seed=3, logprobs=3, prompt_logprobs=2)
@@ -226,18 +232,16 @@ def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model):
     assert len(top_ids) == 3 and top_ids[0] == int(lsm[at].argmax())
 
 
-def test_scoring_only_request_generates_nothing(llama_model):
-  gen = PagedGenerator(llama_model, max_rows=2, max_seq_len=32, page_size=4, min_pages_bucket=2)
+def test_scoring_only_request_generates_nothing(gen):
   res = gen.generate([PROMPTS[1]], params=SamplingParams(max_new_tokens=0, prompt_logprobs=0))
   assert res[0].tokens == [] and res[0].finish_reason == "length"
 
 
-def test_n_choices_share_the_prefill_and_equal_separate_runs(llama_model):
+def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
   from bitdelta_jax.models.paged import prng_key
 
-  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=16,
-                       min_pages_bucket=2, prefix_caching=False)
-  prompt = PROMPTS[2]  # 14 tokens: 3 full pages + a partial one (copied per choice)
+  # 14 new tokens (2 prefill chunks): 3 full pages + a partial one (copied per choice)
+  prompt = list(np.random.RandomState(5).randint(3, 256, 14))
   p = SamplingParams(temperature=1.0, seed=11, max_new_tokens=6)
   group = gen.add_n(prompt, 0, p, ["a", "b", "c", "d", "e"])  # 5 choices, 4 rows
   prefill_tokens = 0
@@ -261,14 +265,13 @@ def test_n_choices_share_the_prefill_and_equal_separate_runs(llama_model):
     assert s.generated == outs[i]
 
 
-def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model):
+def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model, gen):
   """Greedy decoding with the controls: every token is the argmax of the full-forward logits
   with the controls applied by numpy (tests/test_models_sampling.py's reference)."""
   from test_models_sampling import numpy_controls
 
   from bitdelta_jax.models.controls import LogitControls
 
-  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=40, page_size=4, min_pages_bucket=2)
   prompt = PROMPTS[1]
   plain = gen.generate([prompt], params=SamplingParams(max_new_tokens=8))[0].tokens
   stop = plain[0]
@@ -321,8 +324,7 @@ class EvenTokens:
     return self.n >= 4
 
 
-def test_grammar_mask_constrains_each_row_and_stops_it(llama_model):
-  gen = PagedGenerator(llama_model, max_rows=4, max_seq_len=40, page_size=4, min_pages_bucket=2)
+def test_grammar_mask_constrains_each_row_and_stops_it(gen):
 
   class Grammar:
     def matcher(self):
