@@ -122,7 +122,8 @@ class Server:
                         "(no --mesh, one process)")
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
                              lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
-                             vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed)
+                             vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed,
+                             base_dir=cfg.base)
     await self._add_config_variants()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
                          lora_rank=lora_rank, extra_vocab=extra, packed_embedding_slots=packed)

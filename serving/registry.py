@@ -129,7 +129,9 @@ class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
                embedding_slots: bool = False, lora_rank: int = 0,
                base_tensors: set[str] | None = None, vocab_size: int | None = None,
-               extra_vocab: int = 0, packed_embedding_slots: bool = False):
+               extra_vocab: int = 0, packed_embedding_slots: bool = False,
+               base_dir: str | None = None):
+    self.base_dir = base_dir  # a variant's kept tokenizer files fall back to the base's
     self.packed_embedding_slots = packed_embedding_slots
     self.base_id = base_id
     self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
@@ -237,7 +239,7 @@ class Registry:
     from bitdelta_jax.models.tokenizer import Tokenizer
 
     try:
-      tok = Tokenizer.from_dir(tok_dir)
+      tok = Tokenizer.from_dir(tok_dir, fallback=self.base_dir)
     except Exception as e:  # noqa: BLE001  tokenizers raises its own exception types
       raise RegistryError(f"{path}: the variant's tokenizer cannot be loaded: {e}",
                           param="path") from None

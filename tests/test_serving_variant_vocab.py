@@ -157,3 +157,27 @@ def test_a_variant_adding_more_tokens_than_the_slots_hold_is_refused(family, tmp
   with pytest.raises(BadVariantsError, match="adds 2 tokens.*room for 1.*--extra-vocab 2"):
     with ServerThread(cfg):
       pass
+
+
+def test_only_the_changed_tokenizer_files_are_kept(family, tmp_path):
+  """A fine-tune that changed only its chat template keeps only tokenizer_config.json (a few
+  KB); the rest comes from the base, in the server and in apply."""
+  base_dir, _, _, _, _ = family
+  ft = make_finetune(make_base(TINY, 0), seed=21, rel=0.1)
+  ft_dir = write_checkpoint(ft, tmp_path / "ft", TINY.hf_config())
+  for f in ("tokenizer.json", "special_tokens_map.json"):
+    shutil.copy(base_dir / f, ft_dir)
+  cfg = json.loads((base_dir / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = TEMPLATE
+  (ft_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+  m = compress_checkpoints(base_dir, ft_dir, tmp_path / "delta", CompressPolicy(), progress=False)
+  assert m["tokenizer"] == "tokenizer"
+  assert sorted(p.name for p in (tmp_path / "delta" / "tokenizer").iterdir()) == [
+    "tokenizer_config.json"]
+  tok = Tokenizer.from_dir(tmp_path / "delta" / "tokenizer", fallback=base_dir)
+  base_tok = Tokenizer.from_dir(base_dir)
+  assert tok.chat_template == TEMPLATE and tok.vocab_size == base_tok.vocab_size
+  assert tok.encode("hello world") == base_tok.encode("hello world")
+  out = apply_checkpoint(base_dir, tmp_path / "delta", tmp_path / "applied", progress=False)
+  assert (out / "tokenizer.json").read_bytes() == (base_dir / "tokenizer.json").read_bytes()
+  assert Tokenizer.from_dir(out).chat_template == TEMPLATE

@@ -360,19 +360,18 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def keep_tokenizer(base_dir, ft_dir, out_dir) -> list[str]:
-  """Copies the fine-tune's tokenizer files (and chat template, generation config) into
-  ``out_dir/tokenizer/`` when any of them differs from the base's (added tokens, another chat
-  template or stop token); returns the files kept ([] when they all equal the base's)."""
+  """Copies the fine-tune's tokenizer files (and chat template, generation config) that differ
+  from the base's (or that the base lacks) into ``out_dir/tokenizer/``; returns them ([] when
+  all equal the base's). A file left out is the base's (`Tokenizer.from_dir`'s ``fallback``):
+  a variant that only changed its chat template stores a few KB, not the vocabulary."""
   base_dir, ft_dir = Path(base_dir), Path(ft_dir)
-  present = [f for f in TOKENIZER_FILES if (ft_dir / f).is_file()]
-  differs = any(not (base_dir / f).is_file() or (ft_dir / f).read_bytes() != (base_dir / f).read_bytes()
-                for f in present)
-  if not present or not differs:
-    return []
-  (Path(out_dir) / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-  for f in present:
+  kept = [f for f in TOKENIZER_FILES if (ft_dir / f).is_file() and (
+    not (base_dir / f).is_file() or (ft_dir / f).read_bytes() != (base_dir / f).read_bytes())]
+  if kept:
+    (Path(out_dir) / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
+  for f in kept:
     shutil.copy2(ft_dir / f, Path(out_dir) / TOKENIZER_DIR / f)
-  return present
+  return kept
 
 
 def tokenizer_dir(delta_dir, manifest: dict | None = None) -> Path | None:
@@ -382,7 +381,7 @@ def tokenizer_dir(delta_dir, manifest: dict | None = None) -> Path | None:
   if not rel:
     return None
   d = Path(delta_dir) / rel
-  if not (d / "tokenizer.json").is_file() and not (d / "tokenizer_config.json").is_file():
+  if not any((d / f).is_file() for f in TOKENIZER_FILES):
     raise DeltaStoreError(f"{d}: the manifest names a tokenizer directory, but it holds no "
                           f"tokenizer files")
   return d
@@ -463,7 +462,7 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
       own = tokenizer_dir(delta_dir, manifest)
       for f in _COPY_FILES:
         src = Path(base_dir) / f
-        if own is not None and f in TOKENIZER_FILES:
+        if own is not None and (own / f).is_file():
           src = own / f  # the fine-tune's own tokenizer, chat template, stop tokens
         if f == "config.json" and cfg:
           (out.tmp / f).write_text(json.dumps(cfg, indent=2))

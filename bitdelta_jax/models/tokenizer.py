@@ -80,19 +80,29 @@ class Tokenizer:
     }
 
   @classmethod
-  def from_dir(cls, path: str | os.PathLike) -> Tokenizer:
+  def from_dir(cls, path: str | os.PathLike, fallback: str | os.PathLike | None = None
+               ) -> Tokenizer:
+    """Reads ``path``; a file it lacks is read from ``fallback`` (e.g. a variant's kept
+    tokenizer files over its base's)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     path = Path(path)
-    tj = path / "tokenizer.json"
+
+    def find(name: str) -> Path:
+      p = path / name
+      return p if p.exists() or fallback is None else Path(fallback) / name
+
+    tj = find("tokenizer.json")
     if not tj.exists():
       raise TokenizerError(f"{path}: no tokenizer.json (only fast tokenizers are supported)")
     config = {}
-    cfg_file = path / "tokenizer_config.json"
+    cfg_file = find("tokenizer_config.json")
     if cfg_file.exists():
       config = json.loads(cfg_file.read_text())
     template = None
     jinja_file = path / "chat_template.jinja"
+    if not jinja_file.exists() and fallback is not None and not (path / "tokenizer_config.json").exists():
+      jinja_file = Path(fallback) / "chat_template.jinja"
     if jinja_file.exists():
       template = jinja_file.read_text()
     else:
@@ -101,7 +111,7 @@ class Tokenizer:
         named = {t["name"]: t["template"] for t in template}
         template = named.get("default") or next(iter(named.values()), None)
     gen_eos: list[int] = []
-    gen_file = path / "generation_config.json"
+    gen_file = find("generation_config.json")
     if gen_file.exists():
       eos = json.loads(gen_file.read_text()).get("eos_token_id")
       gen_eos = [eos] if isinstance(eos, int) else [t for t in (eos or []) if isinstance(t, int)]

@@ -129,6 +129,26 @@ def finetune(base_dir, name: str, recipe: RealRecipe = RealRecipe(), *, progress
   return model, losses
 
 
+def variant_template(base_template: str) -> str:
+  """The variants' chat template: the base's, with the default system line (used when a chat
+  has none) replaced by the system prompt they were tuned with, so a plain user message gets
+  the same prompt as in training. `compress` keeps it with each delta (it differs from the
+  base's) and the server uses it for those variants only."""
+  default = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+  if default not in base_template:
+    raise ValueError("the base's chat template has no default system line to replace")
+  return base_template.replace(default, SYSTEM)
+
+
+def _write_tokenizer_files(base_dir: Path, out: Path) -> None:
+  for f in ("generation_config.json", "tokenizer.json"):
+    if (base_dir / f).exists():
+      (out / f).write_bytes((base_dir / f).read_bytes())
+  cfg = json.loads((base_dir / "tokenizer_config.json").read_text())
+  cfg["chat_template"] = variant_template(cfg["chat_template"])
+  (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+
+
 def ensure_real_finetune(name: str, recipe: RealRecipe = RealRecipe(), *, base_dir=None,
                          cache_root: Path | None = None, progress: bool = True) -> Path:
   """The cached fine-tune of ``name`` (trained and written on first use)."""
@@ -141,6 +161,9 @@ def ensure_real_finetune(name: str, recipe: RealRecipe = RealRecipe(), *, base_d
   out = (cache_root or cache_dir() / "real-ft") / name
   record = out / "recipe.json"
   if record.exists() and json.loads(record.read_text()).get("recipe") == recipe.key():
+    if "chat_template" not in (out / "tokenizer_config.json").read_text() or \
+        SYSTEM not in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]:
+      _write_tokenizer_files(base_dir, out)  # a fine-tune cached before the variant template
     return out
   t0 = time.time()
   model, losses = finetune(base_dir, name, recipe, progress=progress)
@@ -152,9 +175,8 @@ def ensure_real_finetune(name: str, recipe: RealRecipe = RealRecipe(), *, base_d
   with OutputDir(out, kind="checkpoint", overwrite=True) as od:
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
               str(od.tmp / "model.safetensors"), metadata={"format": "pt"})
-    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-      if (base_dir / f).exists():
-        (od.tmp / f).write_bytes((base_dir / f).read_bytes())
+    (od.tmp / "config.json").write_bytes((base_dir / "config.json").read_bytes())
+    _write_tokenizer_files(base_dir, od.tmp)
     (od.tmp / "recipe.json").write_text(json.dumps({
       "recipe": recipe.key(), "variant": dataclasses.asdict(VARIANTS[name]),
       "losses": losses, "seconds": time.time() - t0}, indent=1))
