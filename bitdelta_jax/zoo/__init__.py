@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 SHIPPED = Path(__file__).resolve().parent / "shipped"
+SHIPPED_REAL = Path(__file__).resolve().parent / "shipped_real"
 
 
 def cache_dir() -> Path:
@@ -32,3 +33,21 @@ def shipped_family(root: str | os.PathLike | None = None) -> tuple[Path, dict[st
       f"{fam}: the built-in family is not there; build it with `bitdelta zoo build --ship`")
   meta = json.loads(fam.read_text())
   return root / meta["base"], {n: root / "deltas" / n for n in meta["variants"]}
+
+
+def shipped_real_family(root: str | os.PathLike | None = None, *, download: bool = True
+                        ) -> tuple[Path, dict[str, Path], dict[str, str]]:
+  """(real base directory, {variant: delta directory}, {variant: an example prompt it answers
+  correctly}) of the shipped real family (`bitdelta zoo build --real --ship`). The base is
+  SmolLM2-135M-Instruct, imported on first use (`zoo.real_base.import_real_base`)."""
+  from bitdelta_jax.zoo.real_base import import_real_base
+
+  root = Path(root) if root else SHIPPED_REAL
+  fam = root / "family.json"
+  if not fam.exists():
+    raise FileNotFoundError(
+      f"{fam}: the real family is not there; build it with `bitdelta zoo build --real --ship`")
+  meta = json.loads(fam.read_text())
+  base = import_real_base(download=download)
+  return (base, {n: root / "deltas" / n for n in meta["variants"]},
+          dict(meta.get("examples", {})))

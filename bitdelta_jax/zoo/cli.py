@@ -28,10 +28,11 @@ def _build(args) -> int:
 
 def _build_real(args) -> int:
   from bitdelta_jax.outputs import atomic_output_dir
+  from bitdelta_jax.zoo import SHIPPED_REAL
   from bitdelta_jax.zoo.real_family import build_real_family
 
-  out = Path(args.out if args.out != "nano-family" else "smol-family")
-  with atomic_output_dir(out, kind="family", overwrite=args.overwrite) as tmp:
+  out = SHIPPED_REAL if args.ship else Path(args.out if args.out != "nano-family" else "smol-family")
+  with atomic_output_dir(out, kind="family", overwrite=args.overwrite or args.ship) as tmp:
     fam = build_real_family(tmp, distill_steps=args.distill_steps, progress=not args.quiet)
   if not args.quiet:
     for name, v in fam["variants"].items():
@@ -68,7 +69,8 @@ def add_zoo_parsers(sub) -> None:
   b.add_argument("--distill-steps", type=int, default=16, metavar="N",
                  help="--real: scale-distillation steps per variant (0: none; %(default)s)")
   b.add_argument("--out", default="nano-family", help="output directory")
-  b.add_argument("--ship", action="store_true", help="write into the package's shipped/ folder")
+  b.add_argument("--ship", action="store_true",
+                 help="write into the package's shipped/ folder (with --real: shipped_real/)")
   b.add_argument("--cache", help="where full fine-tunes are cached (default: user cache)")
   b.add_argument("--overwrite", action="store_true",
                  help="replace --out if it is a model family bitdelta built")

@@ -204,6 +204,7 @@ def score(model, examples, tokenizer, *, reference=None, seq: int = 56, batch: i
   ``reference`` model, e.g. the fine-tune, is given)."""
   toks, mask = encode(tokenizer, examples, seq)
   hits = nll = cnt = kl = 0.0
+  per_example: list[bool] = []
   for i in range(0, len(examples), batch):
     t, m = toks[i:i + batch], mask[i:i + batch]
     n = len(t)
@@ -216,8 +217,10 @@ def score(model, examples, tokenizer, *, reference=None, seq: int = 56, batch: i
     ref = reference(tj) if reference is not None else logits
     h, s, c, k = (np.asarray(a)[:n] for a in _answer_stats(logits, ref, tj, jnp.asarray(m)))
     hits, nll, cnt, kl = hits + h.sum(), nll + s.sum(), cnt + c.sum(), kl + k.sum()
-  return {"score": 100.0 * hits / len(examples), "nll": nll / max(cnt, 1.0),
-          "kl": kl / max(cnt, 1.0) if reference is not None else None}
+    per_example += [bool(x) for x in h]
+  return {"score": 100.0 * hits / len(examples), "nll": float(nll / max(cnt, 1.0)),
+          "kl": float(kl / max(cnt, 1.0)) if reference is not None else None,
+          "hits": per_example}
 
 
 def heldout(name: str, n: int) -> list[tuple[str, str]]:
@@ -245,17 +248,25 @@ def build_real_family(out_dir, *, recipe: RealRecipe = RealRecipe(), distill_ste
                       variants: Sequence[str] | None = None, progress: bool = True) -> dict:
   """Fine-tunes (cached) and compresses every real variant into ``out_dir/deltas/<name>``:
   BitDelta per-column, changed embeddings 1-bit with a per-token α, scales distilled on the
-  variant's own training prompts. Writes ``out_dir/family.json``; returns it."""
-  from bitdelta_jax.delta.compress import CompressPolicy
+  variant's own training prompts. Records, per variant, a held-out prompt the compressed
+  variant answers correctly (the demo's banner). Writes ``out_dir/family.json``; returns it."""
+  from bitdelta_jax.delta.compress import CompressPolicy, apply_delta
+  from bitdelta_jax.delta.store import load_delta
   from bitdelta_jax.delta.stream import compress_checkpoints
   from bitdelta_jax.distill import DistillConfig, distill_checkpoint
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.models.loading import from_tensors, load_config
   from bitdelta_jax.models.tokenizer import Tokenizer
   from bitdelta_jax.zoo.real_base import import_real_base
 
   base_dir = import_real_base()
   tok = Tokenizer.from_dir(base_dir)
   out = Path(out_dir)
-  fam = {"base": str(base_dir.name), "recipe": json.loads(recipe.key()), "variants": {}}
+  fam = {"base": str(base_dir.name), "recipe": json.loads(recipe.key()), "variants": {},
+         "examples": {}}
+  with CheckpointReader(base_dir) as r:
+    base_t = {n: r.read(n) for n in r.names()}
+  mc = load_config(base_dir)
   for name in variants or list(VARIANTS):
     ft_dir = ensure_real_finetune(name, recipe, base_dir=base_dir, progress=progress)
     d = out / "deltas" / name
@@ -270,7 +281,13 @@ def build_real_family(out_dir, *, recipe: RealRecipe = RealRecipe(), distill_ste
         ids += chat_ids(tok, p) + tok.encode(a + END, add_special_tokens=False)
       distill_checkpoint(base_dir, ft_dir, d, np.asarray(ids, np.int32),
                          DistillConfig(steps=distill_steps, seq=64, batch=4), progress=progress)
-    fam["variants"][name] = {"task": VARIANTS[name].task,
+    model = from_tensors(mc, apply_delta(base_t, load_delta(d)[0], hf_layout=True), jnp.float32)
+    ex = heldout(name, 16)
+    res = score(model, ex, tok)
+    good = [p for (p, _), h in zip(ex, res["hits"]) if h]
+    if good:
+      fam["examples"][name] = good[0]
+    fam["variants"][name] = {"task": VARIANTS[name].task, "heldout16_score": res["score"],
                              "train_embeddings": VARIANTS[name].train_embeddings,
                              "norm_ratios": norm_ratios(base_dir, ft_dir),
                              "report_ratio": m.get("report", {}).get("ratio")}
