@@ -40,8 +40,6 @@ def test_encode_masks_exactly_the_answer_and_its_end(real_dir):
 def test_teacher_forced_score_equals_greedy_decoding(real_dir):
   """Exact match computed in one pass equals decoding greedily and comparing the text."""
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
 
   tok = Tokenizer.from_dir(real_dir)
   model = from_pretrained(real_dir, jnp.float32)
@@ -50,11 +48,24 @@ def test_teacher_forced_score_equals_greedy_decoding(real_dir):
         ("Say yes.", "Yes."), ("What is the capital of France?", "Paris"),
         *rf.heldout("smol-math", 1)]
   got = rf.score(model, ex, tok)
-  gen = PagedGenerator(model, max_rows=4, max_seq_len=128, page_size=16, num_pages=40,
-                       tokenizer=tok)
-  outs = gen.generate([rf.chat_ids(tok, p) for p, _ in ex], params=SamplingParams(
-    temperature=0.0, max_new_tokens=12, stop_token_ids=(tok.token_id(rf.END),)))
-  hits = [o.finish_reason == "stop" and tok.decode(o.tokens) == a for o, (_, a) in zip(outs, ex)]
+  end = tok.token_id(rf.END)
+  seqs = [rf.chat_ids(tok, p) for p, _ in ex]
+  outs: list[list[int]] = [[] for _ in ex]
+  done = [False] * len(ex)
+  for _ in range(12):  # batched greedy decoding, one padded shape (causal: padding unseen)
+    padded = np.zeros((len(ex), 64), np.int32)
+    for i, s in enumerate(seqs):
+      padded[i, :len(s)] = s
+    logits = np.asarray(model(jnp.asarray(padded)))
+    for i, s in enumerate(seqs):
+      if not done[i]:
+        t = int(np.argmax(logits[i, len(s) - 1]))
+        done[i] = t == end
+        if not done[i]:
+          outs[i].append(t)
+          s.append(t)
+  hits = [d and tok.decode(o) == a for d, o, (_, a) in zip(done, outs, ex)]
+  assert got["hits"] == hits
   assert got["score"] == pytest.approx(100.0 * sum(hits) / len(ex))
   assert 0 < sum(hits) < len(ex), "the check needs both hits and misses"
 
