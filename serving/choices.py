@@ -37,9 +37,11 @@ class Choices:
   """Collects and formats the choices of one request; see the module docstring."""
 
   def __init__(self, tokenizer, prompts: Sequence[Sequence[int]], n: int, *, chat: bool,
-               echo: bool = False, logprobs: int | None = None, as_ids: bool = False):
+               echo: bool = False, logprobs: int | None = None, as_ids: bool = False,
+               tools=None):
     self.tok, self.chat, self.echo, self.logprobs = tokenizer, chat, echo, logprobs
     self.as_ids = as_ids  # vLLM's return_tokens_as_token_ids
+    self.tools = tools  # a forced tool_choice (serving.tools.ToolPlan): text becomes tool_calls
     self.choices = [_Choice(i * n + j, list(p)) for i, p in enumerate(prompts) for j in range(n)]
     for c in self.choices:
       c.context = [] if echo else list(c.prompt)
@@ -73,7 +75,7 @@ class Choices:
     c.entries.extend(new_entries)
     if ev.kind == "done":
       c.done, c.finish, c.completion_tokens = True, ev.finish_reason, ev.completion_tokens
-    if not text and not new_entries:
+    if (not text and not new_entries) or self.tools is not None:  # calls go out at the end
       return None
     return self._piece(c, text, new_entries)
 
@@ -96,9 +98,21 @@ class Choices:
   def finish_piece(self, index: int) -> dict:
     """The last streamed choice object of a finished choice (its finish_reason)."""
     c = self.choices[index]
+    if self.tools is not None:
+      calls, finish = self._calls(c)
+      delta = {"tool_calls": [dict(call, index=k) for k, call in enumerate(calls)]} if calls \
+        else {"content": "".join(c.parts)}
+      lp, _ = self._logprobs_obj(c, c.entries, offset=0)
+      return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
     if self.chat:
       return {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": c.finish}
     return {"index": c.index, "text": "", "logprobs": None, "finish_reason": c.finish}
+
+  def _calls(self, c: _Choice) -> tuple[list | None, str | None]:
+    """A finished choice's tool calls and finish_reason ("tool_calls"; an incomplete call, cut
+    by max_tokens, stays text with its own finish_reason)."""
+    calls = self.tools.tool_calls("".join(c.parts)) if c.finish == "stop" else None
+    return calls, "tool_calls" if calls else c.finish
 
   def final(self) -> list[dict]:
     """Every choice object of a non-streamed response, in index order."""
@@ -109,7 +123,12 @@ class Choices:
       saved, c.context = c.context, list(context)
       lp, _ = self._logprobs_obj(c, c.entries, offset=0)
       c.context = saved
-      if self.chat:
+      if self.tools is not None:
+        calls, finish = self._calls(c)
+        msg = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
+               else {"role": "assistant", "content": text})
+        out.append({"index": c.index, "message": msg, "logprobs": lp, "finish_reason": finish})
+      elif self.chat:
         out.append({"index": c.index, "message": {"role": "assistant", "content": text},
                     "logprobs": lp, "finish_reason": c.finish})
       else:

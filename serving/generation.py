@@ -11,6 +11,8 @@
 2. One `SamplingParams` per prompt; each prompt becomes one engine group of ``n`` choices
    (`serving.engine.Engine.submit_group`: one prefill, n streams). The variant's slot is leased
    once for the request and released when the last choice has let go of it.
+   A forced ``tool_choice`` is a grammar too (`serving.tools`): the output becomes
+   ``tool_calls``.
 3. Events come back tagged with their choice index and are collected by
    `serving.choices.Choices`: a JSON body, or SSE chunks (per choice: its text and log
    probabilities as they come, then its finish_reason; usage once all are done; ``[DONE]``).
@@ -22,6 +24,7 @@ controls: a request for more is a 400 naming the field.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from aiohttp import web
@@ -32,6 +35,7 @@ from serving.choices import Choices
 from serving.engine import Event, GenRequest
 from serving.openai_params import Controls, controls_of
 from serving.router import UnknownModel
+from serving.tools import tool_plan
 
 DISCONNECT_POLL_S = 0.25
 
@@ -47,12 +51,14 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   variant = server.registry.get(model)  # None: the base
   tok = (variant.tokenizer if variant is not None else None) or server.tokenizer
   vocab = server.engine.vocab_size + (variant.added_tokens if variant is not None else 0)
+  tools = tool_plan(body, chat=chat)
   if chat:
     msgs = P.messages_of(body)
     # the variant's own chat template; one whose tokenizer has none uses the base's
     templated = tok if tok.chat_template else server.tokenizer
+    kw = {"tools": list(tools.tools)} if tools is not None else {}
     try:
-      text = templated.apply_chat_template(msgs, add_generation_prompt=True)
+      text = templated.apply_chat_template(msgs, add_generation_prompt=True, **kw)
     except Exception as e:  # noqa: BLE001  a template that rejects these messages
       raise P.invalid("messages", f"the chat template rejected them ({e})") from None
     prompts = [tok.encode(text, add_special_tokens=False)]  # the template holds its specials
@@ -60,6 +66,16 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
     prompts = P.prompts_of(body, tok, vocab, server.engine.vocab_size)
   opts = P.options_of(body, chat=chat)
   ctl = controls_of(body, chat=chat, vocab_size=vocab, max_tokens=opts.max_tokens)
+  if tools is not None and tools.forced is not None:  # the call is generated under its schema
+    if ctl.response_format is not None:
+      raise P.invalid("response_format", "cannot be combined with a forced tool_choice")
+    if not server.engine.paged:
+      raise P.invalid("tool_choice", "a forced tool_choice is not supported by the fixed-row "
+                                     "engine (a mesh or several processes)",
+                      code="unsupported_parameter")
+    ctl = dataclasses.replace(ctl, response_format=tools.response_format)
+  else:
+    tools = None
   cfg = server.cfg
   for p in prompts:
     if len(p) > cfg.max_prompt_tokens:
@@ -110,7 +126,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   prompt_tokens = sum(len(p) for p in prompts)
   server.metrics.prompt_tokens.labels(model).inc(prompt_tokens)
   choices = Choices(tok, prompts, n, chat=chat, echo=ctl.echo, logprobs=ctl.logprobs,
-                    as_ids=ctl.token_ids)
+                    as_ids=ctl.token_ids, tools=tools)
   finished = False
   try:
     for g in groups:

@@ -140,10 +140,6 @@ def _neutral_false(x) -> bool:
 
 
 UNSUPPORTED: dict[str, tuple] = {  # field -> (is_neutral(value), what it would do)
-  "tools": (_neutral_empty, "tool calling is not supported"),
-  "functions": (_neutral_empty, "function calling is not supported"),
-  "tool_choice": (lambda x: x in (None, "none", "auto"), "tool calling is not supported"),
-  "function_call": (lambda x: x in (None, "none", "auto"), "function calling is not supported"),
   "suffix": (lambda x: x in (None, ""), "suffix (insertion) is not supported"),
   "audio": (_neutral_none, "audio output is not supported"),
   "modalities": (lambda x: x in (None, ["text"]), 'only the "text" modality is supported'),
@@ -292,7 +288,11 @@ def messages_of(body: Mapping) -> list[dict]:
     if not isinstance(content, str):
       raise invalid(f"{where}.content", "must be a string or a list of text parts")
     check_text(content, f"{where}.content")
-    out.append({"role": "system" if role == "developer" else role, "content": content})
+    msg = {"role": "system" if role == "developer" else role, "content": content}
+    for key in ("tool_calls", "tool_call_id", "name"):  # tool use, for templates that show it
+      if m.get(key) is not None:
+        msg[key] = m[key]
+    out.append(msg)
   return out
 
 

@@ -168,9 +168,7 @@ def test_port_in_use_fails_before_the_model_loads(tmp_path):
 
 # -- item 6: an honest API ------------------------------------------------------------------------
 UNSUPPORTED = {
-  "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-  "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
-  "best_of": 3, "suffix": "end", "min_p": 0.1, "use_beam_search": True,
+  "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 3, "suffix": "end", "min_p": 0.1, "use_beam_search": True,
   "guided_json": {"type": "object"}, "modalities": ["text", "audio"],
 }
 # implemented since issue 13 (tests/test_serving_openai_api.py checks what they do)
@@ -196,6 +194,23 @@ def test_implemented_parameters_are_accepted(server, field, value, chat):
   r = post(server, "/v1/chat/completions" if chat else "/v1/completions", body)
   assert r.status_code == 200, (field, r.text)
   assert len(r.json()["choices"]) == (2 if field == "n" else 1)
+
+
+def test_tools_without_a_forced_tool_choice_are_refused(server):
+  """tool_choice "auto" (the default) would need a per-model tool-call parser: a 400 naming
+  tool_choice; tools on /v1/completions: a 400 naming tools."""
+  tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+  for choice in (None, "auto"):
+    body = {"model": "v0", "messages": [{"role": "user", "content": "hi"}], "tools": tools,
+            "tool_choice": choice}
+    err = is_error(post(server, "/v1/chat/completions", body), 400, param="tool_choice")
+    assert err["code"] == "unsupported_parameter" and "required" in err["message"]
+  err = is_error(post(server, "/v1/completions", {"model": "v0", "prompt": "hi", "tools": tools}),
+                 400, param="tools")
+  assert err["code"] == "unsupported_parameter"
+  is_error(post(server, "/v1/chat/completions", {
+    "model": "v0", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}),
+    400, param="tool_choice")
 
 
 def test_chat_echo_is_refused(server):

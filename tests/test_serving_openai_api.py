@@ -33,7 +33,7 @@ def family(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(family):
   base, deltas = family
-  cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=8, max_seq_len=96,
+  cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=8, max_seq_len=160,
                      buckets=(32, 64), default_max_tokens=8,
                      variants=(("v0", str(deltas["v0"])),), device_slots=1)
   with ServerThread(cfg) as h:
@@ -348,3 +348,53 @@ def test_bad_parameters_are_400s_that_name_them(client):
     client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}],
                                    top_logprobs=3)
   assert e.value.body["param"] == "top_logprobs"
+
+
+# -- tools with a forced tool_choice -------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+  "name": "get_weather", "description": "The weather in a city",
+  "parameters": {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+  "name": "get_time", "parameters": {"type": "object", "properties": {
+    "zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_forced_tool_calls_parse_and_match_the_parameters(client):
+  import jsonschema
+
+  msgs = [{"role": "user", "content": "weather in Paris?"}]
+  named = client.chat.completions.create(
+    model="base", messages=msgs, tools=[WEATHER, TIME], max_tokens=200, temperature=0.8, seed=1,
+    n=2, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+  for c in named.choices:
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+  required = client.chat.completions.create(model="base", messages=msgs, tools=[WEATHER, TIME],
+                                            tool_choice="required", max_tokens=300, seed=4,
+                                            temperature=0.8, parallel_tool_calls=False)
+  calls = required.choices[0].message.tool_calls
+  assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1, (
+    required.choices[0].message, required.usage)
+  by_name = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+  for call in calls:
+    jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
+  # streamed: the call arrives whole in the last delta
+  deltas = [ch for chunk in client.chat.completions.create(
+    model="base", messages=msgs, tools=[WEATHER], stream=True, max_tokens=200, temperature=0,
+    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    for ch in chunk.choices]
+  last = deltas[-1]
+  assert last.finish_reason == "tool_calls"
+  assert json.loads(last.delta.tool_calls[0].function.arguments) == json.loads(
+    client.chat.completions.create(
+      model="base", messages=msgs, tools=[WEATHER], max_tokens=200, temperature=0,
+      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    .choices[0].message.tool_calls[0].function.arguments)
+  plain = client.chat.completions.create(model="base", messages=msgs, tools=[WEATHER],
+                                         tool_choice="none", max_tokens=3, temperature=0)
+  assert plain.choices[0].message.tool_calls is None
