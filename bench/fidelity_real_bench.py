@@ -105,16 +105,21 @@ def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
     record(f"bitdelta per-{gran}", evaluate(mc, base_t, load_delta(d)[0], teacher, tok,
                                             examples), m)
   d = work / f"{name}-column"
-  dd = work / f"{name}-column-distilled"
-  shutil.rmtree(dd, ignore_errors=True)
-  shutil.copytree(d, dd)
-  info = distill_checkpoint(base_dir, ft_dir, dd, calibration_ids(tok, name),
-                            DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
-                            progress=False)
+  shipped = Path(args.family) / "deltas" / name if args.family else None
+  if shipped is not None and (shipped / "manifest.json").exists():
+    dd = shipped  # built by `bitdelta zoo build --real` (the same compress + distill)
+    info = read_manifest(dd).get("scales", {})
+  else:
+    dd = work / f"{name}-column-distilled"
+    shutil.rmtree(dd, ignore_errors=True)
+    shutil.copytree(d, dd)
+    info = distill_checkpoint(base_dir, ft_dir, dd, calibration_ids(tok, name),
+                              DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
+                              progress=False)
   record("bitdelta per-column +distill", evaluate(mc, base_t, load_delta(dd)[0], teacher, tok,
                                                   examples), read_manifest(dd))
   rows["bitdelta per-column +distill"]["distill"] = {
-    k: info[k] for k in ("steps", "held_mse_before", "held_mse_after", "seconds")}
+    k: info.get(k) for k in ("steps", "held_mse_before", "held_mse_after", "seconds")}
   # D-QRELO on the linear layers; embeddings as the 1-bit per-column delta above.
   q = work / f"{name}-dqrelo"
   mq = compress_modes(base_dir, ft_dir, q, CompressPolicy(granularity="column", mode="dqrelo",
@@ -151,6 +156,7 @@ def write_md(out: Path, result: dict) -> None:
   for name, v in result["variants"].items():
     ft = v["rows"]["fine-tune"]["score"]
     for label, r in v["rows"].items():
+      r.pop("hits", None)
       size = f"1/{r['whole_ratio']:.1f}" if r.get("whole_ratio") else ""
       lin = f"1/{r['linear_ratio']:.1f}" if r.get("linear_ratio") else ""
       kl = f"{r['kl']:.4f}" if r.get("kl") is not None else ""
@@ -195,6 +201,8 @@ def main() -> None:
   p.add_argument("--n-eval", type=int, default=48)
   p.add_argument("--distill-steps", type=int, default=16)
   p.add_argument("--budget", default="1/15")
+  p.add_argument("--family", help="a real family built by `bitdelta zoo build --real`: its "
+                 "distilled deltas are the +distill rows (else distilled here)")
   p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
   args = p.parse_args()
   num, den = args.budget.split("/")

@@ -52,10 +52,11 @@ def _print_pair_messages(m: dict) -> None:
 
 def cmd_compress(args) -> int:
   from bitdelta_jax.delta.report import Report
-  from bitdelta_jax.delta.residual_stream import compress_checkpoints
+  from bitdelta_jax.delta.stream import compress_checkpoints  # every mode (low rank delegated)
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
-                           overwrite=args.overwrite, progress=not args.quiet)
+                           overwrite=args.overwrite, progress=not args.quiet,
+                           embeddings=args.embeddings)
   _print_pair_messages(m)
   if not args.quiet:
     print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
@@ -149,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--iters", type=int, default=2, metavar="N",
                  help="dqrelo: alternations between the low-rank part and the signs/α "
                  "(default: %(default)s)")
+  c.add_argument("--embeddings", choices=("exact", "1bit"), default="exact",
+                 help="changed embeddings / LM head: kept exactly, or 1-bit with one scale per "
+                      "token (1/16 of their bf16 bytes; --mode bitdelta only) "
+                      "(default: %(default)s)")
   c.add_argument("--overwrite", action="store_true", help="replace --out if it is a delta")
   c.add_argument("--quiet", action="store_true",
                  help="print nothing but warnings and errors (no progress, no report)")

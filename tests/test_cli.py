@@ -254,3 +254,19 @@ def test_shipped_manifests_have_no_absolute_paths():
   for f in manifests:
     absolute = [s for s in strings(json.loads(f.read_text())) if s.startswith(("/", "~"))]
     assert absolute == [], (f, absolute)
+
+
+def test_compress_one_bit_embeddings_flag(pair, tmp_path, capsys):
+  base = make_base(CFG, 0)
+  ft = make_finetune(base, 3)
+  ft["model.embed_tokens.weight"] = ft["model.embed_tokens.weight"] + np.float32(0.01)
+  ft_dir = write_checkpoint(ft, tmp_path / "ft_emb", CFG.hf_config())
+  args = ["compress", "--base", str(pair["base"]), "--finetuned", str(ft_dir), "--quiet"]
+  assert main([*args, "--out", str(tmp_path / "d"), "--embeddings", "1bit"]) == 0
+  m = read_manifest(tmp_path / "d")
+  assert m["embeddings"] == "1bit"
+  assert m["tensors"]["model.embed_tokens.weight"]["kind"] == "packed"
+  assert main([*args, "--out", str(tmp_path / "e"), "--embeddings", "1bit", "--mode", "svd",
+               "--rank", "2"]) == EXIT_BAD_INPUT
+  assert "mode 'bitdelta' only" in capsys.readouterr().err
+  assert not (tmp_path / "e").exists()
