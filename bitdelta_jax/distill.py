@@ -49,6 +49,11 @@ class DistillConfig:
   eval_every: int = 20
 
 
+def _is_vocab(name: str) -> bool:
+  """1-bit embedding / LM-head deltas: served 1-bit, but their α is not distilled."""
+  return "embed_tokens" in name or "lm_head" in name
+
+
 def _key(path) -> tuple[str, ...]:
   return tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
 
@@ -64,15 +69,9 @@ def _scale_leaves(banks) -> dict[str, tuple[str, ...]]:
   return out
 
 
-def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable]:
-  """The α of one variant slot as a differentiable pytree, and a pure ``α → model`` function.
-
-  Returns ``(scales, with_scales)``: ``scales`` is ``{HF weight name: f32 [N]}`` (one α per
-  output column; a per-matrix α appears broadcast), ``with_scales(scales)`` returns a copy of
-  ``model`` whose slot ``slot`` uses them. Everything else is closed over as a constant, so
-  ``jax.grad`` of a loss of ``with_scales(scales)(tokens, slot_ids=...)`` is the gradient with
-  respect to that variant's scales alone; it works under `jax.jit`.
-  """
+def _slot_scale_parts(model, slot: int):
+  """``(scales, merge, state)``: the slot's α, ``merge(scales, *state) -> model`` (pure), and
+  the model's state ``(params, banks, rest)`` to pass to it (as jit arguments, not constants)."""
   if not 0 < int(slot) < model.config.num_slots:
     raise ValueError(f"slot must be in [1, {model.config.num_slots}) (slot 0 is the base), "
                      f"got {slot}")
@@ -82,7 +81,7 @@ def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable
   scales = {n: jnp.asarray(flat[k][slot], jnp.float32) for n, k in where.items()}
   by_path = {k: n for n, k in where.items()}
 
-  def with_scales(new: Mapping[str, jax.Array]):
+  def merge(new: Mapping[str, jax.Array], params, banks, rest):
     def put(path, leaf):
       n = by_path.get(_key(path))
       if n is None or n not in new:
@@ -90,7 +89,21 @@ def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable
       return leaf.at[slot].set(jnp.broadcast_to(new[n], leaf.shape[1:]).astype(leaf.dtype))
     return nnx.merge(graphdef, params, jax.tree_util.tree_map_with_path(put, banks), rest)
 
-  return scales, with_scales
+  return scales, merge, (params, banks, rest)
+
+
+def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable]:
+  """The α of one variant slot as a differentiable pytree, and a pure ``α → model`` function.
+
+  Returns ``(scales, with_scales)``: ``scales`` is ``{HF weight name: f32 [N]}`` (one α per
+  output column; a per-matrix α appears broadcast), ``with_scales(scales)`` returns a copy of
+  ``model`` whose slot ``slot`` uses them. Everything else is closed over as a constant, so
+  ``jax.grad`` of a loss of ``with_scales(scales)(tokens, slot_ids=...)`` is the gradient with
+  respect to that variant's scales alone; it works under `jax.jit` (for a large model, pass
+  the state as arguments instead, as `distill` does: constants are folded at compile time).
+  """
+  scales, merge, state = _slot_scale_parts(model, slot)
+  return scales, lambda new: merge(new, *state)
 
 
 def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
@@ -100,37 +113,46 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
   Returns ``({hf name: new α (np.float32, the entry's own scale shape)}, curves)``; the α kept
   is the best on two fixed held-out calibration batches (never worse than the start).
   """
-  start, with_alphas = slot_scales(student, SLOT)
+  start, merge, state = _slot_scale_parts(student, SLOT)
   alphas = {n: jnp.asarray(e.scale, jnp.float32) for n, e in delta.items()
-            if isinstance(e, PackedDelta)}
-  missing = sorted(set(alphas) - set(start))
+            if isinstance(e, PackedDelta) and n in start}
+  missing = sorted(n for n, e in delta.items() if isinstance(e, PackedDelta) and n not in start
+                   and not _is_vocab(n))
   if missing:
     raise ValueError(f"the delta has 1-bit tensors that are not linear layers of this model: "
                      f"{missing[:3]}")
 
+  # Both models' weights are jit arguments, never closed-over constants (XLA would fold and
+  # copy them into every executable: gigabytes and minutes for a 135M model).
   t_graph, t_state = nnx.split(teacher)
 
   @jax.jit
-  def teacher_logits(tokens):
+  def teacher_fn(t_state, tokens):
     return nnx.merge(t_graph, t_state)(tokens)
+
+  def teacher_logits(tokens):
+    return teacher_fn(t_state, tokens)
 
   opt = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
 
+  def mse(a, state, tokens, target):
+    model = merge(a, *state)
+    slots = jnp.full((tokens.shape[0],), SLOT, jnp.int32)
+    return jnp.mean(jnp.square(model(tokens, slot_ids=slots) - target))
+
   @jax.jit
-  def step(a, opt_state, tokens, target):
-    def loss_fn(a):
-      model = with_alphas(a)
-      slots = jnp.full((tokens.shape[0],), SLOT, jnp.int32)
-      return jnp.mean(jnp.square(model(tokens, slot_ids=slots) - target))
-    loss, g = jax.value_and_grad(loss_fn)(a)
+  def step_fn(a, opt_state, tokens, target, state):
+    loss, g = jax.value_and_grad(mse)(a, state, tokens, target)
     upd, opt_state = opt.update(g, opt_state, a)
     return optax.apply_updates(a, upd), opt_state, loss
 
-  @jax.jit
+  def step(a, opt_state, tokens, target):
+    return step_fn(a, opt_state, tokens, target, state)
+
+  eval_fn = jax.jit(mse)
+
   def eval_loss(a, tokens, target):
-    model = with_alphas(a)
-    slots = jnp.full((tokens.shape[0],), SLOT, jnp.int32)
-    return jnp.mean(jnp.square(model(tokens, slot_ids=slots) - target))
+    return eval_fn(a, state, tokens, target)
 
   # A fixed held-out set of batches judges every candidate: the curve is measured on the same
   # data before and after, and the best α seen is kept (a too-large lr cannot make it worse).
@@ -154,7 +176,7 @@ def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],
         if hl < best_loss:
           best, best_loss = alphas, hl
         bar.set_postfix(mse=f"{hl:.3e}")
-  nnx.update(student, nnx.state(with_alphas(best), SlotBank))
+  nnx.update(student, nnx.state(merge(best, *state), SlotBank))
   curve = {"train_mse": [float(x) for x in losses], "held_mse_before": first,
            "held_mse_after": best_loss}
   return {n: np.asarray(a) for n, a in best.items()}, curve
