@@ -83,7 +83,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
         400, f"the prompt is {len(p)} tokens; this model's context is {cfg.max_seq_len} "
         f"tokens, so prompts may have at most {cfg.max_prompt_tokens}",
         param="messages" if chat else "prompt", code="context_length_exceeded")
-  grammar = await _grammar(server, tok, ctl)
+  grammar = await _grammar(server, tok, ctl, "tools" if tools is not None else "response_format")
   plist = [_params(opts, ctl, tok, grammar, cfg, len(p), server.engine.vocab_size)
            for p in prompts]
   _check_engine_can(server.engine, ctl, plist, len(prompts))
@@ -168,8 +168,9 @@ def _cancel(reqs) -> None:
     r.cancelled = True
 
 
-async def _grammar(server, tok, ctl: Controls):
-  """The compiled ``response_format`` (None for none / text); a 400 naming it when bad."""
+async def _grammar(server, tok, ctl: Controls, param: str):
+  """The compiled ``response_format`` (None for none / text); a 400 naming ``param`` (the
+  field it came from) when bad."""
   if ctl.response_format is None:
     return None
   from bitdelta_jax.models.grammar import GrammarError, compile_grammar
@@ -178,9 +179,9 @@ async def _grammar(server, tok, ctl: Controls):
   try:
     return await loop.run_in_executor(server.io, compile_grammar, tok, ctl.response_format)
   except GrammarError as e:
-    raise P.invalid("response_format", str(e)) from None
+    raise P.invalid(param, str(e)) from None
   except ImportError as e:  # llguidance missing: the server cannot do this at all
-    raise P.ApiError(501, str(e), param="response_format", code="unsupported_parameter") from None
+    raise P.ApiError(501, str(e), param=param, code="unsupported_parameter") from None
 
 
 def _params(opts: P.Options, ctl: Controls, tok, grammar, cfg, prompt_len: int, vocab: int):
