@@ -89,6 +89,44 @@ def _add_slot_products(logits_BxTxV, h_BxTxD, bank, used_S, slot_ids_B, spec: st
   return logits_BxTxV
 
 
+def _packed_products_reference(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M, group_k: int):
+  """``base + α[s] ⊙ (h · S[s])`` per row (slot < 0: base only): each slot present unpacks its
+  signs under a ``lax.cond``. Plain jnp; differentiable."""
+  from bitdelta_jax.delta.format import unpack_signs
+
+  k, v = h_MxK.shape[1], base_MxV.shape[1]
+  for s in range(1, bits_SxRxV.shape[0]):
+    rows = slots_M == s
+    add = lambda y, s=s, rows=rows: y + jnp.where(
+      rows[:, None], scale_SxV[s] * (h_MxK @ unpack_signs(bits_SxRxV[s], (k, v), group_k)), 0.0)
+    base_MxV = jax.lax.cond(jnp.any(rows), add, lambda y: y, base_MxV)
+  return base_MxV
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _packed_products_fused(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M, group_k: int):
+  """The same with the fused native CPU kernel (bits read once per row block); its gradient
+  is the reference's (the kernel has none)."""
+  from pallas_kernels.delta_matmul import cpu
+
+  return cpu.fused_call(h_MxK, bits_SxRxV, scale_SxV, slots_M, base_MxV, group_k=group_k)
+
+
+def _packed_fused_fwd(base, h, bits, scale, slots, group_k):
+  return _packed_products_fused(base, h, bits, scale, slots, group_k), (base, h, bits, scale, slots)
+
+
+def _packed_fused_bwd(group_k, res, ct):
+  base, h, bits, scale, slots = res
+  _, vjp = jax.vjp(lambda b, x, a: _packed_products_reference(b, x, bits, a, slots, group_k),
+                   base, h, scale)
+  gb, gh, ga = vjp(ct)
+  return gb, gh, None, ga, None
+
+
+_packed_products_fused.defvjp(_packed_fused_fwd, _packed_fused_bwd)
+
+
 def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot_ids_B,
                               group_k: int):
   """``logits[b] += α[s] ⊙ (h[b] · S[s])`` with ``s = slot[b]``: a 1-bit embedding / LM-head
@@ -97,7 +135,6 @@ def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot
   present in the batch unpacks its signs under a ``lax.cond``."""
   b, t, v = logits_BxTxV.shape
   h = h_BxTxD.reshape(b * t, -1).astype(jnp.float32)
-  k = h.shape[1]
   used = jnp.any(scale_SxV != 0, axis=1)  # [S]
   slots = jnp.repeat(slot_ids_B.astype(jnp.int32), t)
   slots = jnp.where((slots > 0) & used[slots], slots, -1)
@@ -106,16 +143,10 @@ def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot
     from pallas_kernels.delta_matmul import cpu
 
     if cpu.unavailable_reason() is None:
-      out = cpu.fused_call(h, bits_SxRxV, scale_SxV, slots, base, group_k=group_k)
+      out = _packed_products_fused(base, h, bits_SxRxV, scale_SxV, slots, group_k)
       return out.reshape(b, t, v)
-  from bitdelta_jax.delta.format import unpack_signs
-
-  for s in range(1, bits_SxRxV.shape[0]):
-    rows = slots == s
-    add = lambda y, s=s, rows=rows: y + jnp.where(
-      rows[:, None], scale_SxV[s] * (h @ unpack_signs(bits_SxRxV[s], (k, v), group_k)), 0.0)
-    base = jax.lax.cond(jnp.any(rows), add, lambda y: y, base)
-  return base.reshape(b, t, v)
+  return _packed_products_reference(base, h, bits_SxRxV, scale_SxV, slots, group_k
+                                    ).reshape(b, t, v)
 
 
 def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k: int):
