@@ -112,3 +112,26 @@ def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
     # the whole variant (1-bit linear layers and embeddings) against the same with exact
     # (f32) embeddings: the embedding part dominates the latter
     assert info["bytes"] * 4 < manifest_bytes(exact)
+
+
+def test_distilling_a_delta_with_one_bit_embeddings(pair, tmp_path):
+  """Scale distillation runs through the 1-bit embedding banks (the fused kernel's gradient)
+  and trains only the linear layers' α; the embeddings' α stays as compressed."""
+  import shutil
+
+  from bitdelta_jax.distill import DistillConfig, distill_checkpoint
+
+  root, *_ = pair
+  d = shutil.copytree(root / "delta", tmp_path / "d")
+  before, _ = load_delta(d)
+  ids = np.random.default_rng(0).integers(5, 260, 400).astype(np.int32)
+  info = distill_checkpoint(root / "base", root / "ft", d, ids,
+                            DistillConfig(steps=3, seq=16, batch=2, lr=1e-2, eval_every=1),
+                            progress=False)
+  after, m = load_delta(d)
+  assert m["scales"]["method"] == "distilled" and info["held_mse_after"] <= info["held_mse_before"]
+  for n in EMB:
+    np.testing.assert_array_equal(np.asarray(after[n].scale), np.asarray(before[n].scale))
+  lin = [n for n in after if n not in EMB and hasattr(after[n], "scale")]
+  assert any(not np.array_equal(np.asarray(after[n].scale), np.asarray(before[n].scale))
+             for n in lin) or info["held_mse_after"] == info["held_mse_before"]
