@@ -122,8 +122,11 @@ def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
     k: info.get(k) for k in ("steps", "held_mse_before", "held_mse_after", "seconds")}
   # D-QRELO on the linear layers; embeddings as the 1-bit per-column delta above.
   q = work / f"{name}-dqrelo"
-  mq = compress_modes(base_dir, ft_dir, q, CompressPolicy(granularity="column", mode="dqrelo",
-                                                          budget=args.budget, iters=1),
+  # per-matrix α and 64-row groups: at 1/15 the 1-bit part must leave room for the factors
+  # (128-row groups pad K=576 to 640, and a per-column α costs 4 bytes per column)
+  mq = compress_modes(base_dir, ft_dir, q, CompressPolicy(granularity="matrix", mode="dqrelo",
+                                                          budget=args.budget, iters=1,
+                                                          group_k=64),
                       overwrite=True, progress=False)
   delta_q = load_delta(q)[0]
   mc_col = read_manifest(d)

@@ -95,7 +95,7 @@ def cmd_inspect(args) -> int:
   if src.get("base") or src.get("finetuned"):
     print(f"made from:      {src.get('finetuned', '?')} against base {src.get('base', '?')}")
   print(f"base digest:    {m['base']['digest'][:16]}… ({len(m['base']['tensors'])} tensors)")
-  print(f"policy:         {describe_policy(m['policy'])}")
+  print(f"policy:         {describe_policy(m['policy'], m.get('embeddings', 'exact'))}")
   print(f"scales:         {describe_scales(m['scales'])}")
   print("tensors:        " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())))
   for w in m.get("warnings", []):

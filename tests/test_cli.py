@@ -266,6 +266,10 @@ def test_compress_one_bit_embeddings_flag(pair, tmp_path, capsys):
   m = read_manifest(tmp_path / "d")
   assert m["embeddings"] == "1bit"
   assert m["tensors"]["model.embed_tokens.weight"]["kind"] == "packed"
+  capsys.readouterr()
+  assert main(["inspect", str(tmp_path / "d")]) == 0
+  policy = capsys.readouterr().out.split("policy:")[1].split("\n")[0]
+  assert "embeddings / LM head 1-bit with one α per token" in policy and "embed," not in policy
   assert main([*args, "--out", str(tmp_path / "e"), "--embeddings", "1bit", "--mode", "svd",
                "--rank", "2"]) == EXIT_BAD_INPUT
   assert "mode 'bitdelta' only" in capsys.readouterr().err

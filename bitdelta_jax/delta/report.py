@@ -109,15 +109,25 @@ class Report:
     ]
 
 
-def describe_policy(policy: dict) -> str:
-  """A manifest's compression policy in words."""
+def describe_policy(policy: dict, embeddings: str = "exact") -> str:
+  """A manifest's compression policy in words (``embeddings``: the manifest's field)."""
   gran = {"matrix": "one α per matrix", "column": "one α per output column"}.get(
     policy.get("granularity"), str(policy.get("granularity")))
   dense = {"value": "as fine-tuned values", "delta": "as dense deltas"}.get(
     policy.get("dense"), str(policy.get("dense")))
-  kept = ", ".join(p.replace("\\b", "") for p in policy.get("exact_patterns", []))
-  return (f"1-bit sign(Δ) of linear layers with {gran}, bit-plane groups of "
-          f"{policy.get('group_k')} rows; other changed tensors ({kept}) kept exactly, {dense}")
+  pats = [p.replace("\\b", "") for p in policy.get("exact_patterns", [])]
+  if embeddings == "1bit":
+    pats = [p for p in pats if p not in ("embed", "lm_head", "wte")]
+  kept = ", ".join(pats)
+  mode = policy.get("mode", "bitdelta")
+  head = (f"1-bit sign(Δ) of linear layers with {gran}" if mode == "bitdelta" else
+          f"linear layers in mode {mode} (budget {policy.get('budget')}, rank "
+          f"{policy.get('rank')}; 1-bit part with {gran})")
+  text = (f"{head}, bit-plane groups of {policy.get('group_k')} rows; other changed tensors "
+          f"({kept}) kept exactly, {dense}")
+  if embeddings == "1bit":
+    text += "; changed embeddings / LM head 1-bit with one α per token"
+  return text
 
 
 def describe_scales(scales: dict) -> str:
