@@ -56,19 +56,6 @@ def evaluate(mc, base_t, delta, teacher, tok, examples) -> dict:
   return rf.score(model, examples, tok, reference=teacher)
 
 
-def calibration_ids(tok, name: str, n: int = 256) -> np.ndarray:
-  """Chat-formatted training examples of the variant's task, concatenated (never held out)."""
-  import random
-
-  task = rf.TASKS[rf.VARIANTS[name].task]
-  rng = random.Random(f"{name}:calibration")
-  ids = []
-  for _ in range(n):
-    p, a = task.example(rng)
-    ids += rf.chat_ids(tok, p) + tok.encode(a + rf.END, add_special_tokens=False)
-  return np.asarray(ids, np.int32)
-
-
 def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
   from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
   from bitdelta_jax.delta.stream import compress_checkpoints
@@ -113,7 +100,7 @@ def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
     dd = work / f"{name}-column-distilled"
     shutil.rmtree(dd, ignore_errors=True)
     shutil.copytree(d, dd)
-    info = distill_checkpoint(base_dir, ft_dir, dd, calibration_ids(tok, name),
+    info = distill_checkpoint(base_dir, ft_dir, dd, rf.calibration_ids(tok, name),
                               DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
                               progress=False)
   record("bitdelta per-column +distill", evaluate(mc, base_t, load_delta(dd)[0], teacher, tok,

@@ -161,8 +161,8 @@ def ensure_real_finetune(name: str, recipe: RealRecipe = RealRecipe(), *, base_d
   out = (cache_root or cache_dir() / "real-ft") / name
   record = out / "recipe.json"
   if record.exists() and json.loads(record.read_text()).get("recipe") == recipe.key():
-    if "chat_template" not in (out / "tokenizer_config.json").read_text() or \
-        SYSTEM not in json.loads((out / "tokenizer_config.json").read_text())["chat_template"]:
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    if SYSTEM not in cfg.get("chat_template", ""):
       _write_tokenizer_files(base_dir, out)  # a fine-tune cached before the variant template
     return out
   t0 = time.time()
@@ -223,6 +223,18 @@ def score(model, examples, tokenizer, *, reference=None, seq: int = 56, batch: i
           "hits": per_example}
 
 
+def calibration_ids(tokenizer, name: str, n: int = 256) -> np.ndarray:
+  """Chat-formatted training examples of the variant's task, concatenated: the calibration
+  tokens of its scale distillation (never a held-out prompt)."""
+  task = TASKS[VARIANTS[name].task]
+  rng = random.Random(f"{name}:calibration")
+  ids: list[int] = []
+  for _ in range(n):
+    p, a = task.example(rng)
+    ids += chat_ids(tokenizer, p) + tokenizer.encode(a + END, add_special_tokens=False)
+  return np.asarray(ids, np.int32)
+
+
 def heldout(name: str, n: int) -> list[tuple[str, str]]:
   return TASKS[VARIANTS[name].task].heldout(n)
 
@@ -273,13 +285,7 @@ def build_real_family(out_dir, *, recipe: RealRecipe = RealRecipe(), distill_ste
     m = compress_checkpoints(base_dir, ft_dir, d, CompressPolicy(granularity="column"),
                              embeddings="1bit", overwrite=True, progress=progress)
     if distill_steps:
-      rng = random.Random(f"{name}:calibration")
-      task = TASKS[VARIANTS[name].task]
-      ids: list[int] = []
-      for _ in range(256):
-        p, a = task.example(rng)
-        ids += chat_ids(tok, p) + tok.encode(a + END, add_special_tokens=False)
-      distill_checkpoint(base_dir, ft_dir, d, np.asarray(ids, np.int32),
+      distill_checkpoint(base_dir, ft_dir, d, calibration_ids(tok, name),
                          DistillConfig(steps=distill_steps, seq=64, batch=4), progress=progress)
     model = from_tensors(mc, apply_delta(base_t, load_delta(d)[0], hf_layout=True), jnp.float32)
     ex = heldout(name, 16)
