@@ -269,7 +269,7 @@ class Server:
     if name == self.cfg.model_id:
       raise P.ApiError(400, "the base model cannot be deleted", param="name")
     try:
-      v = await self.registry.remove(name, self.cache.drop)
+      v = await self.registry.remove(name, self.cache.drop, grace_s=self.cfg.delete_grace_s)
     except KeyError:
       raise unknown(name) from None
     log.info("deleted variant %s", name)
@@ -285,8 +285,11 @@ class Server:
       extra["skipped_variants"] = dict(self.bad_variants)
     if self.cfg.multi_process:
       extra["processes"] = self.cfg.num_processes
-    status = "unavailable" if not ok and not lost else "degraded" if lost or self.bad_variants \
-      else "ok"
+    stalled = e.stall_report() if e is not None else None
+    if stalled:
+      extra["stalled"] = stalled
+    status = "unavailable" if not ok and not lost else "degraded" if (
+      lost or self.bad_variants or stalled) else "ok"
     return web.json_response({
       "status": status, **extra,
       "model": self.cfg.model_id,

@@ -31,6 +31,7 @@ _FIELDS = {
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
+  "stall_timeout": "stall_timeout_s", "delete_grace": "delete_grace_s",
 }
 
 
@@ -76,6 +77,12 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="room per device slot for tokens a variant added to the vocabulary "
                       "(default: the most any configured variant adds, rounded up to 64)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+  p.add_argument("--stall-timeout", type=float, metavar="S",
+                 help="fail a sequence that makes no progress for S seconds, releasing its pages "
+                      "and variant slot (60); /health says 'degraded' from S/2")
+  p.add_argument("--delete-grace", type=float, metavar="S",
+                 help="DELETE /v1/variants/NAME waits S seconds for in-flight requests, then "
+                      "ends them with an error (10)")
   p.add_argument("--no-verify-base", action="store_true",
                  help="check deltas against the base's names/shapes/dtypes only, not the crc32 of "
                       "every base tensor (which reads the whole base once more at start)")

@@ -78,6 +78,10 @@ class ServerConfig:
   num_processes: int = 1
   process_id: int = 0  # 0 runs the HTTP front; the others follow its step plans
   step_timeout_s: float = 120.0  # a distributed step slower than this means a lost worker
+  # a sequence the scheduler neither computed nor deferred for this long is failed (its pages
+  # and variant slot released); /health says "degraded" from half of it
+  stall_timeout_s: float = 60.0
+  delete_grace_s: float = 10.0  # DELETE /v1/variants/NAME: in-flight requests then get an error
 
   def __post_init__(self):
     def need(cond: bool, field: str, msg: str):
@@ -122,6 +126,8 @@ class ServerConfig:
     need(self.num_processes == 1 or bool(self.coordinator), "coordinator",
          "num_processes > 1 needs a coordinator HOST:PORT")
     need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
+    need(self.stall_timeout_s > 0, "stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
+    need(self.delete_grace_s >= 0, "delete_grace_s", f"must be >= 0, got {self.delete_grace_s}")
 
   # -- derived -------------------------------------------------------------------------------
   @property

@@ -73,6 +73,10 @@ class GenRequest:
   arrival: float = dataclasses.field(default_factory=time.perf_counter)
   tokenizer: object = None  # the variant's own (decodes its tokens); None: the engine's (base)
   cancelled: bool = False
+  # why it was cancelled, when not by its client (e.g. its variant was deleted): it then ends
+  # with an ``error`` event carrying this message and ``cancel_code``, not ``done``
+  cancel_reason: str | None = None
+  cancel_code: str | None = None
   # engine-side
   tokens: list[int] = dataclasses.field(default_factory=list)
   sent: int = 0  # characters of the decoded text already emitted
@@ -81,6 +85,7 @@ class GenRequest:
   group: list = dataclasses.field(default_factory=list)  # the n choices of one prompt
   pending_logprobs: list = dataclasses.field(default_factory=list)  # not yet emitted
   emitted: bool = False
+  ended: bool = False  # its last event (done / error) went out; nothing follows it
 
 
 class Engine:
@@ -106,6 +111,11 @@ class Engine:
     self.queue_depth = 0
     self.steps = 0
     self.alive = False
+    self.step_started: float | None = None  # time.monotonic() of the step in progress
+    self.stuck = 0  # live sequences without progress for half the stall timeout (last sweep)
+    self.stalled_total = 0  # sequences failed by the stall watchdog
+    self.last_stall: float | None = None  # time.monotonic() of the last one
+    self._live: set[GenRequest] = set()  # paged loop: choices added and not yet ended
 
   # -- public (any thread) -----------------------------------------------------------------
   def start(self) -> concurrent.futures.Future:
@@ -134,6 +144,21 @@ class Engine:
     if self._thread is not None and self._thread.is_alive():
       self._inbox.put(("stop",))
       self._thread.join(timeout)
+
+  def stall_report(self) -> dict | None:
+    """Why `/health` should say "degraded" (None: it need not): sequences without progress
+    for half the stall timeout, a step running longer than the whole of it, or sequences the
+    watchdog failed within the last timeout."""
+    limit, now = self.cfg.stall_timeout_s, time.monotonic()
+    out: dict = {}
+    if self.stuck:
+      out["sequences_without_progress"] = self.stuck
+    started = self.step_started
+    if started is not None and now - started > limit:
+      out["step_running_s"] = round(now - started, 1)
+    if self.last_stall is not None and now - self.last_stall <= limit:
+      out["failed_recently"] = self.stalled_total
+    return out or None
 
   @property
   def lost(self) -> str | None:
@@ -331,39 +356,39 @@ class Engine:
       except ValueError as e:
         for q in reqs:
           self._emit(q, Event("error", message=str(e)))
+        return
+      self._live.update(reqs)
 
     while True:
-      if not self._drain_inbox(not gen.has_work, on_request):
-        for s in list(gen.running) + list(gen.waiting):
-          for x in [s, *s.followers]:
-            self._emit(x.tag, Event("error", message="server shutting down"))
+      if not self._drain_inbox(not gen.has_work and not self._live, on_request):
+        for r in list(self._live):
+          self._emit(r, Event("error", message="server shutting down"))
         return
-      for s in list(gen.running) + list(gen.waiting):
-        if s.tag.cancelled:
-          dropped = [s, *s.followers]  # choices not forked yet go with their leader
-          gen.finish(s)
-          for x in dropped:
-            self._emit(x.tag, Event("done", finish_reason="cancelled",
-                                    completion_tokens=len(x.tag.tokens)))
+      self._sweep(gen)
       if not gen.has_work:
         self._gauges(0, 0, gen.max_rows)
         continue
+      self.step_started = time.monotonic()
       try:
         res = gen.step()
       except Exception as e:  # noqa: BLE001  one failed step must not stop the engine
         log.exception("engine step failed")
         for s in list(gen.running) + list(gen.waiting):
-          dropped = [s, *s.followers]
           gen.finish(s)
-          for x in dropped:
-            self._emit(x.tag, Event("error", message=f"engine step failed: {e}", code=_code(e)))
+        for r in list(self._live):
+          self._emit(r, Event("error", message=f"engine step failed: {e}", code=_code(e)))
         continue
+      finally:
+        self.step_started = None
       self.steps += 1
       for s, msg in res.errors:
         self._emit(s.tag, Event("error", message=msg))
       now = time.perf_counter()
       for s, tok in res.tokens:
         r = s.tag
+        if r.ended:  # already failed (e.g. by the stall watchdog) while its step ran
+          gen.finish(s)
+          continue
         if not r.tokens:
           m.ttft.labels(r.model).observe(now - r.arrival)
         else:
@@ -372,6 +397,48 @@ class Engine:
         if self._accept(r, tok, now, s):
           gen.finish(s)
       self._gauges(len(gen.running), len(gen.waiting), gen.max_rows)
+
+  def _sweep(self, gen) -> None:
+    """Gives every live choice that can no longer produce tokens its last event, so that none
+    holds pages or its variant slot: cancelled ones (their client left, or their variant was
+    deleted; choices not forked yet go with their leader), sequences the scheduler has not
+    moved for ``stall_timeout_s`` (`PagedGenerator.stalled`: an engine bug, failed with
+    ``code="stalled"``), and choices whose sequence ended without one."""
+    for r in [r for r in self._live if r.cancelled]:
+      if r.ended:
+        continue
+      group = [r.seq, *r.seq.followers]
+      gen.finish(r.seq)
+      for x in group:
+        q = x.tag
+        if q.cancel_reason is not None:
+          self._emit(q, Event("error", message=q.cancel_reason, code=q.cancel_code))
+        elif q.cancelled:
+          self._emit(q, Event("done", finish_reason="cancelled",
+                              completion_tokens=len(q.tokens)))
+    limit = self.cfg.stall_timeout_s
+    now = time.monotonic()
+    slow = gen.stalled(limit / 2, now)
+    self.stuck = sum(1 + len(s.followers) for s in slow)
+    for s in slow:
+      if now - s.progress_at <= limit:
+        continue
+      group = [s, *s.followers]
+      gen.finish(s)
+      log.error("no progress for %.0f s: failing %d sequence(s) of %r", now - s.progress_at,
+                len(group), s.tag.model)
+      self.stalled_total += len(group)
+      self.last_stall = now
+      self.metrics.stalled.inc(len(group))
+      for x in group:
+        self._emit(x.tag, Event("error", code="stalled", message=(
+          f"the engine made no progress on this request for {limit:g} s; it was stopped "
+          "(a server fault, please report it)")))
+    for r in [r for r in self._live if r.seq.finished and not r.ended]:
+      log.error("a choice of %r ended without a result", r.model)
+      self._emit(r, Event("error", code="stalled",
+                          message="the engine dropped this choice (a server fault, please "
+                                  "report it)"))
 
   def _gauges(self, active: int, pending: int, max_rows: int) -> None:
     m = self.metrics
@@ -423,6 +490,11 @@ class Engine:
     return True
 
   def _emit(self, r: GenRequest, ev: Event) -> None:
+    if r.ended:  # exactly one last event per request
+      return
+    if ev.kind in ("done", "error"):
+      r.ended = True
+      self._live.discard(r)
     if ev.kind in ("token", "done"):
       if r.pending_logprobs:
         ev.logprobs, r.pending_logprobs = r.pending_logprobs, []

@@ -38,6 +38,8 @@ from serving.router import UnknownModel
 from serving.tools import tool_plan
 
 DISCONNECT_POLL_S = 0.25
+# an engine error event's code -> the HTTP status of a non-streamed answer (others: 500)
+ERROR_STATUS = {"worker_lost": 503, "variant_deleted": 410}
 
 
 async def generate(server, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -123,6 +125,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
                         arrival=arrival, tokenizer=tok) for j in range(n)]
             for i, (p, params) in enumerate(zip(prompts, plist))]
   reqs = [r for g in groups for r in g]
+  lease.attach(reqs)
   prompt_tokens = sum(len(p) for p in prompts)
   server.metrics.prompt_tokens.labels(model).inc(prompt_tokens)
   choices = Choices(tok, prompts, n, chat=chat, echo=ctl.echo, logprobs=ctl.logprobs,
@@ -149,9 +152,9 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
       if ev.kind == "error":
         finished = True
         _cancel(reqs)
-        if ev.code == "worker_lost":
-          raise P.ApiError(503, f"generation failed: {ev.message}", code="worker_lost")
-        raise P.ApiError(500, f"generation failed: {ev.message}", code="generation_failed")
+        status = ERROR_STATUS.get(ev.code, 500)
+        raise P.ApiError(status, f"generation failed: {ev.message}",
+                         code=ev.code or "generation_failed")
       choices.update(index, ev)
     finished = True
     server.metrics.requests.labels(model, endpoint, "200").inc()
@@ -241,7 +244,11 @@ async def _stream(request, reqs, events, choices: Choices, rid, created, model, 
     if chat:
       await resp.write(sse([P.role_choice(i) for i in range(len(choices))]))
     while not choices.done:
-      index, ev = await events.get()
+      got = await _next_event(events, request)
+      if got is None:  # the client went away while nothing came (e.g. a long prefill)
+        _cancel(reqs)
+        return resp
+      index, ev = got
       if ev.kind == "error":
         _cancel(reqs)
         await resp.write(P.sse(P.error_body(f"generation failed: {ev.message}", "server_error",

@@ -72,6 +72,8 @@ class Metrics:
                          "Requests waiting for their variant to reach a device slot", registry=r)
     self.in_flight = Gauge("bitdelta_requests_in_flight", "Requests in flight", ["model"],
                            registry=r)
+    self.stalled = Counter("bitdelta_stalled_sequences", "Choices failed by the stall watchdog "
+                           "(no progress for stall_timeout_s: a server fault)", registry=r)
 
   def set_tier(self, model: str, tier: str | None) -> None:
     for t in TIERS:

@@ -101,6 +101,10 @@ class Variant:
   requests: int = 0
   in_flight: int = 0
   deleting: bool = False
+  # engine requests (`serving.engine.GenRequest`) of the in-flight HTTP requests, so that a
+  # DELETE can end them; ``ended_by``: the error they get once it does
+  live: set = dataclasses.field(default_factory=set)
+  ended_by: str | None = None
   # cache state (owned by serving.cache)
   slot: int | None = None  # model slot id (1..device_slots) once loaded
   host_bytes: int = 0
@@ -140,6 +144,7 @@ class Registry:
     self.lora_rank = lora_rank
     self.base_tensors = base_tensors
     self._variants: dict[str, Variant] = {}
+    self._pending_removals: set[asyncio.Task] = set()  # DELETEs waiting for the engine
 
   # -- lookup ----------------------------------------------------------------------------------
   def get(self, name: str) -> Variant | None:
@@ -290,15 +295,47 @@ class Registry:
     if v.in_flight == 0 and v._idle is not None:
       v._idle.set()
 
-  async def remove(self, name: str, on_removed) -> Variant:
-    """Hides ``name`` from new requests, waits for its in-flight requests, then forgets it."""
+  async def remove(self, name: str, on_removed, *, grace_s: float = math.inf,
+                   end_wait_s: float = 10.0) -> Variant:
+    """Hides ``name`` from new requests and waits up to ``grace_s`` for its in-flight ones;
+    those still running then end with an error (`end_requests`), and after ``end_wait_s``
+    more it returns regardless: the variant is forgotten as soon as the last one lets go."""
     v = self.get(name)
     if v is None:
       raise KeyError(name)
     v.deleting = True
-    if v.in_flight:
-      v._idle = asyncio.Event()
-      await v._idle.wait()
-    await on_removed(v)
-    self._variants.pop(name, None)
+
+    async def forget() -> None:
+      if v.in_flight:
+        await v._idle.wait()
+      await on_removed(v)
+      self._variants.pop(name, None)
+
+    v._idle = asyncio.Event()
+    if not v.in_flight:
+      v._idle.set()
+    try:
+      await asyncio.wait_for(asyncio.shield(v._idle.wait()), grace_s)
+    except TimeoutError:
+      end_requests(v, f"the model {name!r} was deleted while this request was generating")
+    task = asyncio.ensure_future(forget())
+    try:
+      await asyncio.wait_for(asyncio.shield(task), end_wait_s)
+    except TimeoutError:  # finishes in the background once the engine lets go
+      self._pending_removals.add(task)
+      task.add_done_callback(self._pending_removals.discard)
     return v
+
+
+def end_requests(v: Variant, reason: str) -> None:
+  """Ends every in-flight engine request of ``v`` with an error naming ``reason`` (the engine
+  frees their rows at its next iteration); requests that start later end at once."""
+  v.ended_by = reason
+  for r in list(v.live):
+    end_request(r, reason)
+
+
+def end_request(r, reason: str) -> None:
+  """Cancels engine request ``r`` so that it ends with an error naming ``reason``."""
+  r.cancel_reason, r.cancel_code = reason, "variant_deleted"
+  r.cancelled = True

@@ -12,7 +12,7 @@ holds it until release.
 from __future__ import annotations
 
 from serving.cache import DeltaCache
-from serving.registry import Registry, Variant
+from serving.registry import Registry, Variant, end_request
 
 
 class UnknownModel(KeyError):
@@ -22,17 +22,31 @@ class UnknownModel(KeyError):
 
 
 class Lease:
-  __slots__ = ("router", "variant", "slot", "model", "_released")
+  __slots__ = ("router", "variant", "slot", "model", "_released", "reqs")
 
   def __init__(self, router: Router, variant: Variant | None, slot: int, model: str):
     self.router, self.variant, self.slot, self.model = router, variant, slot, model
     self._released = False
+    self.reqs: list = []
+
+  def attach(self, reqs: list) -> None:
+    """The engine requests generated under this lease: a DELETE of the variant can end them
+    (`serving.registry.end_requests`); if one already did, they end at once."""
+    self.reqs = list(reqs)
+    v = self.variant
+    if v is None:
+      return
+    v.live.update(self.reqs)
+    if v.ended_by is not None:
+      for r in self.reqs:
+        end_request(r, v.ended_by)
 
   def release(self) -> None:
     if self._released:
       return
     self._released = True
     if self.variant is not None:
+      self.variant.live.difference_update(self.reqs)
       self.router.cache.release(self.variant)
       self.router.registry.end(self.variant)
       self.router.metrics.in_flight.labels(self.model).dec()

@@ -337,3 +337,42 @@ def test_grammar_mask_constrains_each_row_and_stops_it(gen):
     assert len(r.tokens) == 4 and r.finish_reason == "stop"
     assert all(t % 2 == 0 for t in r.tokens)
   assert len(res[1].tokens) == 10 and any(t % 2 for t in res[1].tokens)
+
+
+def _run_group(gen, prompt, p, n):
+  """``n`` choices of ``prompt`` to ``max_new_tokens`` each; every choice must finish."""
+  group = gen.add_n(prompt, 0, p, list(range(n)))
+  for _ in range(200):
+    if not gen.has_work:
+      break
+    for s, _ in gen.step().tokens:
+      if len(s.generated) == p.max_new_tokens:
+        gen.finish(s)
+  assert not gen.has_work and all(s.finished for s in group)
+  assert all(len(s.generated) == p.max_new_tokens for s in group), [s.generated for s in group]
+  return [s.generated for s in group]
+
+
+@pytest.mark.parametrize("length", [1, 3, 4, 5, 9])  # 1, page_size - 1, page_size, ps + 1, 2 ps + 1
+def test_n_choices_fork_whatever_call_computes_the_leaders_last_prompt_token(gen, length):
+  """Issue 24: a leader with one prompt token left to compute (a 1-token prompt, or a prompt
+  whose full pages are prefix-cache hits) used to run as a decode row, which never forked its
+  choices: they hung. Cached and uncached, every choice finishes and equals its lone run."""
+  from bitdelta_jax.models.paged import prng_key
+
+  prompt = list(np.random.RandomState(length).randint(3, 256, length))
+  p = SamplingParams(temperature=1.0, seed=3, max_new_tokens=3)
+  gen.pool.clear_cache()
+  for n, cached in ((2, False), (5, True), (16, True)):
+    hits = gen.pool.hits
+    outs = _run_group(gen, prompt, p, n)
+    if cached and length > 4:
+      assert gen.pool.hits > hits  # the full pages came from the prefix cache
+    assert gen.pool.used == 0
+    for i in (0, n - 1):  # choice i equals a sequence run alone with choice i's key
+      s = gen.add(prompt, params=p)
+      s.key = prng_key(p.seed, i)
+      while len(s.generated) < 3:
+        gen.step()
+      gen.finish(s)
+      assert s.generated == outs[i], (n, i)

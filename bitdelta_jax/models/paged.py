@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -124,6 +125,7 @@ class PagedGenerator:
     self.running: list[Seq] = []
     self._order = itertools.count()
     self.shapes_run: set[tuple] = set()
+    self.steps = 0  # scheduler iterations run (the clock of `Seq.progress_step`)
 
   # -- variants ------------------------------------------------------------------------------
   def refresh(self) -> None:
@@ -182,10 +184,29 @@ class PagedGenerator:
       s.tokens = list(prompt)
       if params.grammar is not None:
         s.matcher = params.grammar.matcher()
+      self._progress(s)
       group.append(s)
     group[0].followers = group[1:]
     self.waiting.append(group[0])
     return group
+
+  def _progress(self, s: Seq) -> None:
+    """Records that ``s`` was computed, forked, admitted, or deliberately deferred (queued
+    behind older prompts, preempted) now: the clock of `stalled`."""
+    s.progress_at, s.progress_step = time.monotonic(), self.steps
+
+  def stalled(self, limit_s: float, now: float | None = None) -> list[Seq]:
+    """Sequences (a leader stands for its unforked choices) that the scheduler has neither
+    computed nor deferred for ``limit_s`` seconds and at least two iterations (so one slow
+    step, e.g. a compile, never counts): running ones, and waiting ones while a row is free.
+    The scheduler never leaves a sequence so; a caller fails these rather than let a bug hold
+    pages and a variant slot forever."""
+    now = time.monotonic() if now is None else now
+    cands = list(self.running)
+    if len(self.running) < self.max_rows:
+      cands += self.waiting
+    return [s for s in cands
+            if now - s.progress_at > limit_s and self.steps - s.progress_step >= 2]
 
   def finish(self, s: Seq) -> None:
     """Drops a sequence (finished or cancelled) and releases its pages. Choices not yet forked
@@ -223,6 +244,7 @@ class PagedGenerator:
         s.pages = self.pool.lookup(s.hashes)
         s.hashes = s.hashes[: len(s.pages)]
         s.n_cached = len(s.pages) * self.page_size
+      self._progress(s)
       self.running.append(s)
 
   def _preempt_newest(self) -> Seq:
@@ -230,6 +252,7 @@ class PagedGenerator:
     self.running.remove(victim)
     self.pool.release(victim.pages)
     victim.pages, victim.hashes, victim.n_cached = [], [], 0
+    self._progress(victim)
     self.waiting.appendleft(victim)
     return victim
 
@@ -241,8 +264,13 @@ class PagedGenerator:
     for s in sorted(self.running, key=lambda x: x.order):
       if s not in self.running:  # preempted while planning an older one
         continue
-      n = 1 if s.pending == 1 else min(s.pending, budget)
-      if n == 0:
+      # a leader whose choices are not forked yet always runs as prefill, even with one token
+      # left (a 1-token prompt, a prefix-cache hit): only a prefill call's outputs carry the
+      # choices' first tokens, which is where they fork
+      as_decode = s.pending == 1 and not s.followers
+      n = 1 if as_decode else min(s.pending, budget)
+      if n == 0:  # older prompts took this iteration's prefill budget
+        self._progress(s)
         continue
       need = -(-(s.n_cached + n) // self.page_size) - len(s.pages)
       ok = True
@@ -263,7 +291,7 @@ class PagedGenerator:
           errors.extend((x, msg) for x in [s, *s.followers])
           self.finish(s)
         break
-      if s.pending == 1:
+      if as_decode:
         decode.append((s, 1))
       else:
         prefill.append((s, n))
@@ -274,6 +302,7 @@ class PagedGenerator:
 
   def step(self) -> StepResult:
     """One scheduler iteration: admit, plan, run decode rows and prefill chunks."""
+    self.steps += 1
     self._admit()
     decode, prefill, errors = self._plan()
     calls = []
@@ -339,6 +368,7 @@ class PagedGenerator:
       try:
         tail = [self.pool.allocate()]
       except OutOfPages:
+        self._progress(s)
         self.waiting.appendleft(s)
         return
       copies.append((lead.pages[full], tail[0]))
@@ -346,11 +376,13 @@ class PagedGenerator:
     s.pages = shared + tail
     s.hashes = lead.hashes[:full]
     s.n_cached = lead.n_cached
+    self._progress(s)
     self.waiting.appendleft(s)  # admitted (with its pages) before anything new
 
   def _advance(self, s: Seq, n: int) -> None:
     """Marks ``n`` more tokens cached and publishes pages that became full."""
     s.n_cached += n
+    self._progress(s)
     full = s.n_cached // self.page_size
     if full > len(s.hashes):
       start = s.hashes[-1] if s.hashes else b""

@@ -118,6 +118,9 @@ class Seq:
   token_logprobs: list[tuple] = dataclasses.field(default_factory=list)
   # prompt position p -> (logprob of prompt[p], top ids, top logprobs), p >= 1
   prompt_logprobs: dict[int, tuple] = dataclasses.field(default_factory=dict)
+  # when (time.monotonic, scheduler iteration) it was last computed, forked, admitted or deferred
+  progress_at: float = 0.0
+  progress_step: int = 0
 
   @property
   def grammar_done(self) -> bool:
