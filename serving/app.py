@@ -244,7 +244,7 @@ class Server:
                               **self.cache.snapshot()})
 
   async def add_variant(self, request: web.Request) -> web.Response:
-    body = P.parse_json(await request.read())
+    body = await P.read_json(request)
     name, path = body.get("name"), body.get("path")
     if name is None:
       raise P.invalid("name", "is required")

@@ -33,7 +33,7 @@ from serving import protocol as P
 from serving.cache import LoadError
 from serving.choices import Choices
 from serving.engine import Event, GenRequest
-from serving.openai_params import Controls, controls_of
+from serving.openai_params import Controls, check_budget, controls_of
 from serving.router import UnknownModel
 from serving.tools import tool_plan
 
@@ -46,7 +46,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   """The whole request path; see the module docstring."""
   arrival = time.perf_counter()
   endpoint = "chat" if chat else "completions"
-  body = P.parse_json(await request.read())
+  body = await P.read_json(request)
   model = P.model_of(body)
   if not server.router.knows(model):
     raise unknown(model)
@@ -88,6 +88,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   grammar = await _grammar(server, tok, ctl, "tools" if tools is not None else "response_format")
   plist = [_params(opts, ctl, tok, grammar, cfg, len(p), server.engine.vocab_size)
            for p in prompts]
+  check_budget(ctl, [len(p) for p in prompts], [p.max_new_tokens for p in plist])
   _check_engine_can(server.engine, ctl, plist, len(prompts))
   if not server.engine.alive:
     raise P.ApiError(503, "the engine is not running", code="engine_unavailable")

@@ -19,6 +19,11 @@ from collections.abc import Mapping
 from serving.protocol import _bool, _int, _num, invalid
 
 MAX_N = 16
+# one request's work, bounded before anything is queued (a 400 naming the field beyond):
+# n x prompts choices, and log-probability entries (1 + alternatives per scored position:
+# each generated token of every choice, and with echo each prompt token)
+MAX_CHOICES = 256
+MAX_LOGPROB_ENTRIES = 1 << 20
 MAX_LOGIT_BIAS = 300
 MAX_STOP_TOKEN_IDS = 16
 
@@ -122,3 +127,21 @@ def controls_of(body: Mapping, *, chat: bool, vocab_size: int,
     response_format=rf,
     token_ids=_bool(body, "return_tokens_as_token_ids"),
   )
+
+
+def check_budget(ctl: Controls, prompt_lens: list[int], max_new_tokens: list[int]) -> None:
+  """A 400 naming ``n`` when ``n x prompts`` exceeds `MAX_CHOICES`, or ``logprobs`` when the
+  request asks for more than `MAX_LOGPROB_ENTRIES` log-probability entries."""
+  choices = ctl.n * len(prompt_lens)
+  if choices > MAX_CHOICES:
+    raise invalid("n", f"n x prompts is {ctl.n} x {len(prompt_lens)} = {choices} choices; at "
+                       f"most {MAX_CHOICES} per request", code="request_too_large")
+  if ctl.logprobs is None:
+    return
+  positions = ctl.n * sum(max_new_tokens) + (sum(prompt_lens) if ctl.echo else 0)
+  entries = positions * (ctl.logprobs + 1)
+  if entries > MAX_LOGPROB_ENTRIES:
+    raise invalid("logprobs", f"{positions} scored positions x {ctl.logprobs + 1} entries = "
+                              f"{entries} log-probability entries; at most "
+                              f"{MAX_LOGPROB_ENTRIES} per request (lower n, max_tokens or "
+                              "logprobs, or send fewer prompts)", code="request_too_large")

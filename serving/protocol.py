@@ -39,9 +39,63 @@ def invalid(param: str, message: str, code: str | None = None) -> ApiError:
   return ApiError(400, f"{param}: {message}", param=param, code=code)
 
 
+class HugeInt(float):
+  """A JSON integer literal too long to convert (``int()`` refuses more than 4300 digits, and
+  no field takes more than 20): kept as an infinite float that remembers its length, so that
+  the reader of its field names the field and the length instead of a 500."""
+
+  digits: int
+
+  def __new__(cls, literal: str):
+    x = super().__new__(cls, "-inf" if literal.startswith("-") else "inf")
+    x.digits = len(literal.lstrip("-"))
+    return x
+
+
+MAX_INT_DIGITS = 40  # longer integer literals become a `HugeInt` (every field refuses them)
+
+
+def _parse_int(literal: str) -> int | HugeInt:
+  return int(literal) if len(literal) <= MAX_INT_DIGITS else HugeInt(literal)
+
+
+# what a request body may be encoded with (aiohttp decodes these, within max_body_bytes once
+# decoded); anything else is a 415 naming the header
+CONTENT_ENCODINGS = ("identity", "gzip", "deflate", "x-gzip")
+
+
+def check_content_encoding(header: str | None) -> None:
+  """A 415 naming ``Content-Encoding`` unless every coding in ``header`` is one we decode."""
+  codings = [c.strip().lower() for c in (header or "").split(",") if c.strip()]
+  bad = [c for c in codings if c not in CONTENT_ENCODINGS]
+  if bad:
+    raise ApiError(415, f"Content-Encoding: {bad[0][:40]!r} is not supported (send the body as "
+                        f"is, or with one of {', '.join(CONTENT_ENCODINGS)})",
+                   param="Content-Encoding", code="unsupported_content_encoding")
+
+
+async def read_json(request) -> dict:
+  """The request's JSON object body, decoded per its Content-Encoding; a body that does not
+  decode is a 400 naming the header (never a 500)."""
+  from aiohttp.web import RequestPayloadError
+
+  check_content_encoding(request.headers.get("Content-Encoding"))
+  try:
+    raw = await request.read()
+  except RequestPayloadError as e:
+    enc = request.headers.get("Content-Encoding", "")
+    why = str(e).strip().splitlines()[-1].strip()[:120]
+    if not enc:
+      raise ApiError(400, f"the request body could not be read ({why})",
+                     code="invalid_body") from None
+    raise ApiError(400, f"Content-Encoding: the body is not valid {enc[:40]} data ({why})",
+                   param="Content-Encoding", code="invalid_content_encoding") from None
+  return parse_json(raw)
+
+
 def parse_json(raw: bytes) -> dict:
   try:
-    body = json.loads(raw)
+    body = json.loads(raw, parse_int=_parse_int)
   except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
     raise ApiError(400, f"the request body is not valid JSON ({e})", code="invalid_json") from None
   if not isinstance(body, dict):
@@ -54,11 +108,19 @@ def _num(body: Mapping, key: str, default: float, lo: float, hi: float, *, lo_op
   x = body.get(key)
   if x is None:
     return default
+  _refuse_huge(key, x, lo, hi)
   if isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x):
     raise invalid(key, f"must be a number, got {json.dumps(x)[:40]}")
   if x < lo or x > hi or (lo_open and x == lo):
     raise invalid(key, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {x}")
   return float(x)
+
+
+def _refuse_huge(key: str, x, lo, hi) -> None:
+  if isinstance(x, HugeInt):
+    bounds = "in range" if lo is None and hi is None else (
+      f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]")
+    raise invalid(key, f"must be {bounds}, got an integer of {x.digits} digits")
 
 
 INT32_MAX = 2**31 - 1
@@ -69,6 +131,7 @@ def _int(body: Mapping, key: str, lo: int | None = None, hi: int | None = INT32_
   x = body.get(key)
   if x is None:
     return None
+  _refuse_huge(key, x, lo, hi)
   if isinstance(x, bool) or not isinstance(x, int):
     if isinstance(x, float) and x.is_integer():
       x = int(x)
@@ -239,6 +302,10 @@ def prompt_of(body: Mapping, tokenizer, vocab_size: int, base_vocab: int | None 
 
 
 def _one_prompt(p, tokenizer, vocab_size: int, base_vocab: int | None) -> list[int]:
+  if isinstance(p, list) and any(isinstance(t, HugeInt) for t in p):
+    t = next(t for t in p if isinstance(t, HugeInt))
+    raise invalid("prompt", f"a token id of {t.digits} digits is outside this model's "
+                            f"vocabulary [0, {vocab_size})")
   if isinstance(p, str):
     ids = tokenizer.encode(check_text(p, "prompt"), add_special_tokens=True)
   elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
