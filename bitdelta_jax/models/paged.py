@@ -246,6 +246,8 @@ class PagedGenerator:
         s.n_cached = len(s.pages) * self.page_size
       self._progress(s)
       self.running.append(s)
+    for s in self.waiting:  # queued for a row: deferred, not stuck
+      self._progress(s)
 
   def _preempt_newest(self) -> Seq:
     victim = max(self.running, key=lambda x: x.order)
