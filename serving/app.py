@@ -244,7 +244,7 @@ class Server:
                               **self.cache.snapshot()})
 
   async def add_variant(self, request: web.Request) -> web.Response:
-    body = await P.read_json(request)
+    body = await P.read_json(request, self.cfg.max_body_bytes)
     name, path = body.get("name"), body.get("path")
     if name is None:
       raise P.invalid("name", "is required")
@@ -422,7 +422,8 @@ def check_port(host: str, port: int) -> None:
 async def start_site(cfg: ServerConfig) -> tuple[web.AppRunner, Server, int]:
   check_port(cfg.host, cfg.port)
   app, server = build_app(cfg)
-  runner = web.AppRunner(app, access_log=None, handle_signals=False)
+  # request bodies are decoded by serving.protocol.decode_body (JSON errors, bounded size)
+  runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
   try:
     await runner.setup()  # runs startup: model load + compile on the device thread
   except BaseException:

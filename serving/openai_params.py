@@ -16,7 +16,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
-from serving.protocol import _bool, _int, _num, invalid
+from serving.protocol import HugeInt, _bool, _int, _num, invalid
 
 MAX_N = 16
 # one request's work, bounded before anything is queued (a 400 naming the field beyond):
@@ -82,6 +82,10 @@ def _stop_token_ids(body: Mapping, vocab_size: int) -> tuple[int, ...]:
   ids = body.get("stop_token_ids")
   if ids is None:
     return ()
+  huge = [t for t in ids if isinstance(t, HugeInt)] if isinstance(ids, list) else []
+  if huge:
+    raise invalid("stop_token_ids", f"a token id of {huge[0].digits} digits is outside the "
+                                    f"vocabulary [0, {vocab_size})")
   if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                           for t in ids):
     raise invalid("stop_token_ids", "must be a list of token ids")

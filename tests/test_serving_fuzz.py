@@ -119,3 +119,105 @@ def test_random_bodies_never_get_a_5xx(server):
   r = session.post(server.url + "/v1/completions", json={"model": "v1", "prompt": "hello",
                                                          "temperature": 0, "max_tokens": 3})
   assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+
+
+# -- issue 24: one case class each for what gave 5xx or hung -------------------------------------
+HUGE_FIELDS = ("top_k", "seed", "max_tokens", "n", "logprobs", "min_tokens",
+               "temperature", "logit_bias", "prompt", "stop_token_ids")
+
+
+@st.composite
+def huge_integer_bodies(draw):
+  """A field holding an integer literal of thousands of digits (json.dumps cannot write one:
+  the body is spliced as text)."""
+  key = draw(st.sampled_from(HUGE_FIELDS))
+  lit = ("-" if draw(st.booleans()) else "") + draw(st.sampled_from("123456789")) + "7" * draw(
+    st.integers(40, 6000))
+  value = {"logit_bias": f'{{"5": {lit}}}', "prompt": f"[3, {lit}]",
+           "stop_token_ids": f"[{lit}]"}.get(key, lit)
+  return f'{{"model": "base", "prompt": "hi", "{key}": {value}}}'.replace(
+    '"prompt": "hi", "prompt"', '"prompt"')
+
+
+def encoded_bodies():
+  import gzip
+  import zlib
+
+  good = json.dumps({"model": "v0", "prompt": "hi", "max_tokens": 2}).encode()
+  junk = st.binary(max_size=64)
+  return st.one_of(
+    st.tuples(st.sampled_from(["gzip", "deflate", "x-gzip", "gzip, deflate"]), junk),
+    st.tuples(st.just("gzip"), st.just(gzip.compress(good))),
+    st.tuples(st.just("deflate"), st.just(zlib.compress(good))),
+    st.tuples(st.just("gzip"), st.just(gzip.compress(good)[:-9])),  # truncated
+    st.tuples(st.just("gzip"), st.just(gzip.compress(b" " * (8 << 20) + good))),  # a bomb: 413
+    st.tuples(st.just("deflate, gzip"), st.just(gzip.compress(zlib.compress(good)))),
+    st.tuples(st.sampled_from(["br", "zstd"]), junk),
+    st.tuples(st.sampled_from(["compress", "identity, weird", "x" * 200, "GZIP", ""]),
+              st.just(good)),
+  )
+
+
+@st.composite
+def costly_bodies(draw):
+  """n choices whose leader has 0-1 prompt tokens left (1-token prompts, repeated prompts whose
+  pages are cached), and requests past the per-request budget."""
+  n = draw(st.integers(1, 16))
+  length = draw(st.sampled_from([1, 15, 16, 17, 33]))
+  prompts = draw(st.integers(1, 80))
+  one = [3 + i % 200 for i in range(length)]
+  body = {"model": draw(st.sampled_from(MODELS)), "n": n, "max_tokens": draw(st.integers(1, 8)),
+          "prompt": one if prompts == 1 else [one] * prompts,
+          "stream": draw(st.booleans())}
+  if draw(st.booleans()):
+    body.update(logprobs=draw(st.integers(0, 20)), echo=draw(st.booleans()))
+  return body
+
+
+def test_hostile_classes_never_get_a_5xx_or_a_hang(server):
+  session = requests.Session()
+  url = server.url + "/v1/completions"
+  seen: dict[str, set] = {"huge": set(), "encoded": set(), "costly": set()}
+
+  def check(kind, r):
+    seen[kind].add(r.status_code)
+    assert r.status_code < 500, (kind, r.status_code, r.text[:300])
+    if r.status_code >= 400 and r.headers.get("Content-Type", "").startswith("application/json"):
+      assert r.json()["error"]["message"]
+
+  @settings(max_examples=40, deadline=None, database=None, derandomize=True,
+            suppress_health_check=list(HealthCheck))
+  @given(huge_integer_bodies())
+  def huge(text):
+    r = session.post(url, data=text, headers={"Content-Type": "application/json"}, timeout=60)
+    check("huge", r)
+    assert r.status_code == 400 and "digits" in r.json()["error"]["message"], r.text
+
+  @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+            suppress_health_check=list(HealthCheck))
+  @given(encoded_bodies())
+  def encoded(case):
+    enc, data = case
+    r = session.post(url, data=data, timeout=60, headers={"Content-Type": "application/json",
+                                                          "Content-Encoding": enc})
+    check("encoded", r)
+
+  @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+            suppress_health_check=list(HealthCheck))
+  @given(costly_bodies())
+  def costly(body):
+    r = session.post(url, json=body, timeout=120)  # a hang fails here
+    check("costly", r)
+    if r.status_code == 200 and not body["stream"]:
+      k = body["n"] * (len(body["prompt"]) if isinstance(body["prompt"][0], list) else 1)
+      assert len(r.json()["choices"]) == k
+    elif r.status_code == 200:
+      assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+
+  huge()
+  encoded()
+  costly()
+  assert {200, 400, 413, 415} <= seen["encoded"], seen
+  assert {200, 400} <= seen["costly"], seen
+  h = session.get(server.url + "/health", timeout=10).json()
+  assert h["status"] == "ok" and h["active_rows"] == 0 and h["queue_depth"] == 0, h
