@@ -419,7 +419,6 @@ class Engine:
     limit = self.cfg.stall_timeout_s
     now = time.monotonic()
     slow = gen.stalled(limit / 2, now)
-    self.stuck = sum(1 + len(s.followers) for s in slow)
     for s in slow:
       if now - s.progress_at <= limit:
         continue
@@ -434,6 +433,7 @@ class Engine:
         self._emit(x.tag, Event("error", code="stalled", message=(
           f"the engine made no progress on this request for {limit:g} s; it was stopped "
           "(a server fault, please report it)")))
+    self.stuck = sum(1 + len(s.followers) for s in slow if not s.finished)
     for r in [r for r in self._live if r.seq.finished and not r.ended]:
       log.error("a choice of %r ended without a result", r.model)
       self._emit(r, Event("error", code="stalled",

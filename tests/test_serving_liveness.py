@@ -18,6 +18,7 @@ device slots, pages of 16 tokens, prefix caching on):
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +151,7 @@ def test_a_sequence_without_progress_is_failed_and_frees_its_slot(server):
   assert "bitdelta_stalled_sequences_total 3.0" in metrics
 
 
-def test_delete_returns_within_its_grace_and_ends_the_variants_requests(server, tmp_path):
+def test_delete_returns_within_its_grace_and_ends_the_variants_requests(server):
   srv = server.server
   path = srv.registry.get("v3").path
   r = requests.post(server.url + "/v1/variants", json={"name": "doomed", "path": str(path)},
@@ -183,11 +184,8 @@ def test_delete_returns_within_its_grace_and_ends_the_variants_requests(server, 
 def test_a_disconnect_releases_a_queued_group(server):
   srv = server.server
   hold = srv.engine.call(lambda gen: time.sleep(1.0))  # the group waits in the inbox
-  s = requests.Session()
   body = json.dumps({"model": "v0", "prompt": HEADER[:17], "n": 4, "max_tokens": 60,
                      "ignore_eos": True}).encode()
-  import socket
-
   sock = socket.create_connection((server.cfg.host, server.port))
   sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
@@ -196,7 +194,6 @@ def test_a_disconnect_releases_a_queued_group(server):
   hold.result(10)
   wait_for(lambda: srv.registry.get("v0").in_flight == 0, "the disconnect released it", 10)
   wait_for(lambda: srv.engine.active_rows == 0 and not srv.engine.gen.has_work, "no rows left")
-  s.close()
 
 
 def test_mixed_load_completes_every_request_with_its_lone_output(server):
