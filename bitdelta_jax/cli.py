@@ -10,7 +10,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 
 EXIT_BAD_INPUT = 2
 
@@ -202,8 +204,9 @@ class _QuietJaxBackendWarnings(logging.Filter):
   that merely has a Google PCI device is not a TPU host, and a user cannot act on it."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    msg = record.getMessage()
-    return not ("TPU" in msg and ("may be present" in msg or "Unable to initialize backend" in msg))
+    msg = record.getMessage()  # "... backend 'tpu': ... libtpu.so" says tpu in lower case
+    return not ("tpu" in msg.lower() and ("may be present" in msg
+                                          or "Unable to initialize backend" in msg))
 
 
 def _quiet_backend_warnings() -> None:
@@ -213,22 +216,55 @@ def _quiet_backend_warnings() -> None:
       log.addFilter(_QuietJaxBackendWarnings())
 
 
-def main(argv: list[str] | None = None) -> int:
-  _quiet_backend_warnings()
-  args = build_parser().parse_args(argv)
+class _Interrupts:
+  """Counts Ctrl-C while a command runs. A KeyboardInterrupt raised inside a library call
+  can come out as another exception (numpy turns one inside an array conversion into
+  "setting an array element with a sequence."), which must still read as ``interrupted``."""
+
+  def __init__(self):
+    self.count = 0
+
+  def __call__(self, signum, frame):
+    self.count += 1
+    raise KeyboardInterrupt
+
+  def install(self):
+    """Takes over SIGINT from Python's default handler; returns a function that undoes it."""
+    if threading.current_thread() is not threading.main_thread() or \
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+      return lambda: None
+    signal.signal(signal.SIGINT, self)
+    return lambda: signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def run_command(fn, args) -> int:
+  """Runs one subcommand: bad input is ``error: ...`` and exit 2, Ctrl-C ``interrupted`` and
+  exit 130 (whatever exception it surfaced as)."""
+  interrupts = _Interrupts()
+  restore = interrupts.install()
   try:
-    fn = getattr(args, "fn", None) or args.func
     rc = fn(args)
     sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
     return rc
+  except KeyboardInterrupt:
+    print("interrupted", file=sys.stderr)
+    return 130
   except (ValueError, OSError) as e:  # DeltaMismatchError, DeltaStoreError, OutputError too
+    if interrupts.count:
+      print("interrupted", file=sys.stderr)
+      return 130
     if isinstance(e, BrokenPipeError):
       return _closed_pipe()
     print(f"error: {e}", file=sys.stderr)
     return EXIT_BAD_INPUT
-  except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    return 130
+  finally:
+    restore()
+
+
+def main(argv: list[str] | None = None) -> int:
+  _quiet_backend_warnings()
+  args = build_parser().parse_args(argv)
+  return run_command(getattr(args, "fn", None) or args.func, args)
 
 
 def _closed_pipe() -> int:

@@ -419,8 +419,42 @@ def check_port(host: str, port: int) -> None:
                           "server running there? Choose another with --port") from None
 
 
+def check_base_dir(cfg: ServerConfig) -> None:
+  """What can be checked of ``cfg.base`` before the model loads, as `ConfigError`s naming
+  the option: it is an HF model directory (not a delta, a file, nothing), its context holds
+  ``max_seq_len``, and the KV cache holds one sequence of ``max_seq_len`` tokens."""
+  from bitdelta_jax.models.loading import load_config
+  from bitdelta_jax.outputs import describe, output_kind
+
+  base = Path(cfg.base)
+  if output_kind(base) == "delta":
+    raise ConfigError(f"base: {base} is a bitdelta delta store; --base takes the base model the "
+                      "deltas were compressed against (serve the delta with --variant "
+                      "NAME=DIR)")
+  if not base.is_dir() or not (base / "config.json").is_file():
+    what = describe(base) if not base.is_dir() else "a directory without config.json"
+    raise ConfigError(f"base: {base} is {what}; expected an HF model directory (config.json, "
+                      "*.safetensors, tokenizer.json)")
+  mc = load_config(base)
+  if cfg.max_seq_len > mc.max_position_embeddings:
+    raise ConfigError(f"max_seq_len: {cfg.max_seq_len} is longer than the base's context "
+                      f"(max_position_embeddings {mc.max_position_embeddings} in "
+                      f"{base / 'config.json'}); lower --max-seq-len")
+  itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+  token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+  pages = int(cfg.kv_cache_mb * (1 << 20)) // (token_bytes * cfg.page_size)
+  need = -(-cfg.max_seq_len // cfg.page_size)
+  if pages < need:
+    need_mb = need * cfg.page_size * token_bytes / (1 << 20)
+    raise ConfigError(f"kv_cache_mb: {cfg.kv_cache_mb:g} MiB holds {pages * cfg.page_size} "
+                      f"tokens of this model's KV cache, less than one sequence of max_seq_len "
+                      f"{cfg.max_seq_len}; raise --kv-cache-mb to at least {need_mb:.1f} or "
+                      "lower --max-seq-len")
+
+
 async def start_site(cfg: ServerConfig) -> tuple[web.AppRunner, Server, int]:
   check_port(cfg.host, cfg.port)
+  check_base_dir(cfg)
   app, server = build_app(cfg)
   # request bodies are decoded by serving.protocol.decode_body (JSON errors, bounded size)
   runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)

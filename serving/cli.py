@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from serving.config import ConfigError, ServerConfig
 
@@ -57,7 +58,8 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--max-batch", type=int, metavar="B",
                  help="most sequences decoding at once (32); a step runs only the live ones")
   p.add_argument("--max-seq-len", type=int, metavar="L",
-                 help="context length: prompt + generated tokens (2048)")
+                 help="context length: prompt + generated tokens (2048, or the base's "
+                      "max_position_embeddings if shorter; longer is refused)")
   p.add_argument("--page-size", type=int, metavar="T", help="tokens per KV-cache page (16)")
   p.add_argument("--kv-cache-mb", type=float, metavar="M",
                  help="KV-cache pool shared by all sequences, MiB (1024)")
@@ -128,6 +130,9 @@ def _parse_variants(items: list[str]) -> tuple[tuple[str, str], ...]:
     name, sep, path = it.partition("=")
     if not sep or not name or not path:
       raise ConfigError(f"--variant: expected NAME=DELTA_DIR, got {it!r}")
+    if any(n == name for n, _ in out):
+      raise ConfigError(f"--variant: the name {name!r} is given twice ({dict(out)[name]!r} and "
+                        f"{path!r}); each variant needs its own name")
     out.append((name, path))
   return tuple(out)
 
@@ -140,9 +145,11 @@ def config_from_args(args, *, base: str | None = None,
     d["base"] = base
   if variants:
     d["variants"] = dict(variants)
+  chosen = set()  # fields the config file or a flag set (the others keep their defaults)
   if getattr(args, "config", None):
     file_cfg = ServerConfig.from_file(args.config)
     d.update({k: v for k, v in file_cfg.__dict__.items()})
+    chosen |= set(json.loads(Path(args.config).read_text()))
     d["variants"] = {**dict(variants), **dict(file_cfg.variants)}
   if args.base:
     d["base"] = args.base
@@ -156,6 +163,9 @@ def config_from_args(args, *, base: str | None = None,
     v = getattr(args, dest, None)
     if v is not None:
       d[field] = v
+      chosen.add(field)
+  if "max_seq_len" not in chosen:
+    d["max_seq_len"] = default_max_seq_len(d["base"])
   if args.pin:
     d["pins"] = tuple(dict.fromkeys(list(d.get("pins", ())) + list(args.pin)))
   if args.variant_root:
@@ -171,6 +181,21 @@ def config_from_args(args, *, base: str | None = None,
   if getattr(args, "skip_bad_variants", False):
     d["skip_bad_variants"] = True
   return ServerConfig(**d)
+
+
+DEFAULT_MAX_SEQ_LEN = 2048
+
+
+def default_max_seq_len(base) -> int:
+  """``max_seq_len`` when none is given: 2048, or the base's context if shorter (its
+  ``max_position_embeddings``; a longer setting is refused at start-up)."""
+  try:
+    ctx = json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
+  except (OSError, ValueError):  # no base there: the start-up check names the problem
+    return DEFAULT_MAX_SEQ_LEN
+  if isinstance(ctx, int) and ctx >= 8:
+    return min(DEFAULT_MAX_SEQ_LEN, ctx)
+  return DEFAULT_MAX_SEQ_LEN
 
 
 def cmd_serve(args) -> int:
@@ -199,7 +224,8 @@ def demo_config(*, real: bool = False, **overrides) -> ServerConfig:
   else:
     base_dir, variants = shipped_family()
   kw = dict(base=str(base_dir), variants=tuple((n, str(p)) for n, p in sorted(variants.items())),
-            device_slots=min(8, max(1, len(variants))))
+            device_slots=min(8, max(1, len(variants))),
+            max_seq_len=default_max_seq_len(base_dir))
   kw.update(overrides)
   return ServerConfig(**kw)
 

@@ -4,8 +4,10 @@ warnings about the pair, and what `inspect` says."""
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -227,13 +229,19 @@ def test_tpu_backend_warning_is_filtered(capsys):
   handler = logging.Handler()
   handler.emit = records.append
   log.addHandler(handler)
+  level = log.level
+  log.setLevel(logging.INFO)  # serve logs at INFO: the backend probe's line must still go
   try:
     log.warning("A Google TPU may be present on this machine, but either a TPU-enabled jaxlib "
                 "or libtpu is not installed. Falling back to cpu.")
+    log.info("Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: "
+             "libtpu.so: cannot open shared object file: No such file or directory")
     log.warning("something else")
+    log.info("another line")
   finally:
     log.removeHandler(handler)
-  assert [r.getMessage() for r in records] == ["something else"]
+    log.setLevel(level)
+  assert [r.getMessage() for r in records] == ["something else", "another line"]
 
 
 def test_shipped_manifests_have_no_absolute_paths():
@@ -274,3 +282,39 @@ def test_compress_one_bit_embeddings_flag(pair, tmp_path, capsys):
                "--rank", "2"]) == EXIT_BAD_INPUT
   assert "mode 'bitdelta' only" in capsys.readouterr().err
   assert not (tmp_path / "e").exists()
+
+
+def test_ctrl_c_that_a_library_turned_into_another_error_still_reads_interrupted(capsys):
+  """Issue 23: Ctrl-C during `eval`'s distillation printed `error: setting an array element
+  with a sequence.` (the interrupt surfaced as numpy's ValueError)."""
+  import signal as sig
+
+  from bitdelta_jax.cli import run_command
+
+  def command(_args):
+    try:
+      os.kill(os.getpid(), sig.SIGINT)
+      time.sleep(5)
+    except KeyboardInterrupt:  # as numpy does inside an array conversion
+      raise ValueError("setting an array element with a sequence.") from None
+
+  assert run_command(command, None) == 130
+  assert capsys.readouterr().err.strip() == "interrupted"
+  assert sig.getsignal(sig.SIGINT) is sig.default_int_handler  # restored
+  assert run_command(lambda a: (_ for _ in ()).throw(ValueError("bad")), None) == 2
+  assert capsys.readouterr().err.strip() == "error: bad"
+
+
+def test_eval_says_what_it_will_train_and_writes_outside_the_repository(monkeypatch, tmp_path,
+                                                                        capsys):
+  from bitdelta_jax.zoo import fidelity
+
+  seen = {}
+  monkeypatch.setenv("BITDELTA_CACHE", str(tmp_path / "cache"))
+  monkeypatch.setattr(fidelity, "run_eval", lambda out, **kw: seen.setdefault("out", out))
+  assert main(["eval"]) == 0
+  assert seen["out"] == tmp_path / "cache" / "eval"
+  base, shipped = fidelity.shipped_family()
+  plan = fidelity.eval_plan(base, list(shipped), fidelity.ZooConfig(), 256, tmp_path)
+  assert f"{len(shipped)} full fine-tune(s) are not cached yet and are trained first" in plan
+  assert str(tmp_path / "cache") in plan and "fidelity.{json,md,png}" in plan

