@@ -97,7 +97,8 @@ def cmd_inspect(args) -> int:
   if src.get("base") or src.get("finetuned"):
     print(f"made from:      {src.get('finetuned', '?')} against base {src.get('base', '?')}")
   print(f"base digest:    {m['base']['digest'][:16]}… ({len(m['base']['tensors'])} tensors)")
-  print(f"policy:         {describe_policy(m['policy'], m.get('embeddings', 'exact'))}")
+  print(f"policy:         "
+        f"{describe_policy(m['policy'], m.get('embeddings', 'exact'), names=list(m['tensors']))}")
   print(f"scales:         {describe_scales(m['scales'])}")
   print("tensors:        " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())))
   for w in m.get("warnings", []):
@@ -105,6 +106,13 @@ def cmd_inspect(args) -> int:
   for n in m.get("notes", []):
     print(f"note:           {n}")
   print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
+  if args.verify:  # reads every array: a truncated or corrupt one is an error (exit 2)
+    from bitdelta_jax.delta.store import load_delta
+
+    load_delta(args.delta, verify=True)
+    print(f"verified:       every array of {len(m['tensors'])} tensors read, crc32s match")
+  else:
+    print("verified:       no (arrays not read; --verify checks every crc32)")
   return 0
 
 
@@ -181,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
   i.add_argument("delta", metavar="DELTA_DIR", help="delta directory")
   i.add_argument("--json", action="store_true", help="print the raw manifest as JSON")
   i.add_argument("--verbose", action="store_true", help="report every tensor")
+  i.add_argument("--verify", action="store_true",
+                 help="read every array and check its crc32 (a truncated or corrupt delta is "
+                      "an error, exit 2)")
   i.set_defaults(fn=cmd_inspect)
 
   for register in _extra_commands():

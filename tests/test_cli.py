@@ -318,3 +318,43 @@ def test_eval_says_what_it_will_train_and_writes_outside_the_repository(monkeypa
   plan = fidelity.eval_plan(base, list(shipped), fidelity.ZooConfig(), 256, tmp_path)
   assert f"{len(shipped)} full fine-tune(s) are not cached yet and are trained first" in plan
   assert str(tmp_path / "cache") in plan and "fidelity.{json,md,png}" in plan
+
+
+def test_inspect_names_only_what_the_delta_holds(pair, tmp_path, capsys):
+  """Issue 23: no GPT-2 names for a Llama, the kept-exactly line says what was kept, layers in
+  numeric order, a self-compressed model reads 'nothing changed', --verify reads the arrays."""
+  from bitdelta_jax.delta.report import Report, TensorReport
+
+  assert _compress(pair, tmp_path / "d") == 0
+  capsys.readouterr()
+  assert main(["inspect", str(tmp_path / "d")]) == 0
+  out = capsys.readouterr().out
+  policy = out.split("policy:")[1].split("\n")[0]
+  assert "wpe" not in policy and "wte" not in policy and "norm" in policy
+  m = read_manifest(tmp_path / "d")
+  exact = sorted(n for n, t in m["tensors"].items() if t["kind"] in ("value", "delta"))
+  line = next(x for x in out.splitlines() if x.startswith("whole checkpoint"))
+  assert f"{len(exact)} changed tensor(s) kept exactly: {exact[0]}" in line, (line, exact)
+  assert "verified:       no" in out
+  # against itself: nothing to store, said in words (was "0B vs 0B = infx smaller")
+  assert main(["compress", "--base", str(pair["base"]), "--finetuned", str(pair["base"]),
+               "--out", str(tmp_path / "same"), "--quiet"]) == 0
+  capsys.readouterr()
+  assert main(["inspect", str(tmp_path / "same")]) == 0
+  out = capsys.readouterr().out
+  assert "infx" not in out and "nothing changed, the delta stores no tensor" in out
+  assert "no 1-bit matrices" in out
+  # numeric order: layers.2 before layers.10
+  rows = [TensorReport(f"model.layers.{i}.mlp.up_proj.weight", "packed", (4, 4), "float32", 32,
+                       2, 0.5) for i in (10, 2, 1)]
+  table = Report(rows).format(max_rows=None).splitlines()[1:4]
+  assert [r.split()[0] for r in table] == [f"model.layers.{i}.mlp.up_proj.weight"
+                                           for i in (1, 2, 10)]
+  # --verify reads every array: a truncated one is an error
+  assert main(["inspect", str(tmp_path / "d"), "--verify"]) == 0
+  assert "crc32s match" in capsys.readouterr().out
+  chunk = max((p for p in (tmp_path / "d").rglob("*") if p.is_file() and "bits" in p.parts
+               and not p.name.startswith(".")), key=lambda p: p.stat().st_size)
+  chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+  assert main(["inspect", str(tmp_path / "d"), "--verify"]) == EXIT_BAD_INPUT
+  assert "error:" in capsys.readouterr().err

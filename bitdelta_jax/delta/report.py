@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,11 @@ class TensorReport:
   @classmethod
   def from_dict(cls, d: dict) -> TensorReport:
     return cls(**{**d, "shape": tuple(d["shape"])})
+
+
+def natural_key(name: str) -> list:
+  """Sort key that orders ``layers.2`` before ``layers.10`` (numbers compared as numbers)."""
+  return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _ratio(a: int, b: int) -> float:
@@ -79,7 +85,8 @@ class Report:
     """A plain-text table for terminals."""
     rows = [f"{'tensor':<52} {'kind':<7} {'shape':<16} {'before':>10} {'after':>10} "
             f"{'ratio':>7} {'rel.err':>8}"]
-    shown = self.tensors if max_rows is None else self.tensors[:max_rows]
+    ordered = sorted(self.tensors, key=lambda t: natural_key(t.name))
+    shown = ordered if max_rows is None else ordered[:max_rows]
     for t in shown:
       ratio = "inf" if math.isinf(t.ratio) else f"{t.ratio:.1f}x"
       rows.append(f"{t.name[-52:]:<52} {t.kind:<7} {'x'.join(map(str, t.shape)):<16} "
@@ -98,19 +105,35 @@ class Report:
     if dtypes and dtypes != ["bfloat16"]:
       src = (f"; against their stored {'/'.join(dtypes)}: "
              f"{_mb(tot['linear_bytes_before'])}, {tot['linear_ratio']:.1f}x")
-    return [
-      f"linear layers ({tot['packed_tensors']} matrices, 1-bit): "
-      f"{_mb(tot['linear_bytes_after'])} vs {_mb(tot['linear_bf16_bytes'])} in bf16 = "
-      f"{tot['linear_ratio_vs_bf16']:.1f}x smaller{src}; relative error of the 1-bit "
-      f"approximation ‖Δ−α·S‖/‖Δ‖ (RMS) {tot['linear_rel_error_rms']:.4f}",
-      f"whole checkpoint ({tot['tensors']} tensors, as stored): {_mb(tot['bytes_before'])} -> "
-      f"{_mb(tot['bytes_after'])} = {tot['ratio']:.1f}x smaller (unchanged tensors cost "
-      f"nothing; changed embeddings, LM head and norms are kept exactly)",
-    ]
+    if tot["packed_tensors"]:
+      linear = (f"linear layers ({tot['packed_tensors']} matrices, 1-bit): "
+                f"{_mb(tot['linear_bytes_after'])} vs {_mb(tot['linear_bf16_bytes'])} in bf16 = "
+                f"{tot['linear_ratio_vs_bf16']:.1f}x smaller{src}; relative error of the 1-bit "
+                f"approximation ‖Δ−α·S‖/‖Δ‖ (RMS) {tot['linear_rel_error_rms']:.4f}")
+    else:
+      linear = "linear layers: no 1-bit matrices (none changed)"
+    exact = [t for t in self.tensors if t.kind in ("value", "delta")]
+    if not tot["bytes_after"]:
+      return [linear, f"whole checkpoint ({tot['tensors']} tensors): nothing changed, the "
+                      "delta stores no tensor"]
+    kept = (f"{len(exact)} changed tensor(s) kept exactly: "
+            f"{_short_names([t.name for t in exact])}" if exact
+            else "every changed tensor is 1-bit")
+    return [linear,
+            f"whole checkpoint ({tot['tensors']} tensors, as stored): {_mb(tot['bytes_before'])} "
+            f"-> {_mb(tot['bytes_after'])} = {tot['ratio']:.1f}x smaller (unchanged tensors cost "
+            f"nothing; {kept})"]
 
 
-def describe_policy(policy: dict, embeddings: str = "exact") -> str:
-  """A manifest's compression policy in words (``embeddings``: the manifest's field)."""
+def _short_names(names: list[str], most: int = 4) -> str:
+  names = sorted(names, key=natural_key)
+  return ", ".join(names[:most]) + (f", ... ({len(names) - most} more)" if len(names) > most
+                                    else "")
+
+
+def describe_policy(policy: dict, embeddings: str = "exact", names=None) -> str:
+  """A manifest's compression policy in words (``embeddings``: the manifest's field;
+  ``names``: its tensors, so that only the exact-kept patterns that name one are listed)."""
   gran = {"matrix": "one α per matrix", "column": "one α per output column"}.get(
     policy.get("granularity"), str(policy.get("granularity")))
   dense = {"value": "as fine-tuned values", "delta": "as dense deltas"}.get(
@@ -118,7 +141,10 @@ def describe_policy(policy: dict, embeddings: str = "exact") -> str:
   pats = [p.replace("\\b", "") for p in policy.get("exact_patterns", [])]
   if embeddings == "1bit":
     pats = [p for p in pats if p not in ("embed", "lm_head", "wte")]
-  kept = ", ".join(pats)
+  if names is not None:  # e.g. GPT-2's "wpe" says nothing about a Llama
+    raw = [p for p in policy.get("exact_patterns", []) if p.replace("\\b", "") in pats]
+    pats = [p.replace("\\b", "") for p in raw if any(re.search(p, n) for n in names)]
+  kept = ", ".join(pats) or "none"
   mode = policy.get("mode", "bitdelta")
   head = (f"1-bit sign(Δ) of linear layers with {gran}" if mode == "bitdelta" else
           f"linear layers in mode {mode} (budget {policy.get('budget')}, rank "
