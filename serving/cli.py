@@ -231,19 +231,18 @@ def demo_config(*, real: bool = False, **overrides) -> ServerConfig:
 
 
 def _task_examples(names) -> dict[str, str]:
-  """A held-out prompt per built-in variant (the built-in tasks), or for a real variant the
-  prompt recorded when it was shipped (one it answers correctly), for the demo's banner."""
+  """For the demo's banner: per shipped variant (built-in or real), the held-out prompt
+  recorded when it was shipped, one its compressed delta answers correctly
+  (`bitdelta_jax.zoo.banner_examples`)."""
   try:
-    from bitdelta_jax.zoo import SHIPPED_REAL
-    from bitdelta_jax.zoo.tasks import TASKS
+    from bitdelta_jax.zoo import SHIPPED, SHIPPED_REAL
   except ImportError:
     return {}
-  real = {}
-  fam = SHIPPED_REAL / "family.json"
-  if fam.exists():
-    real = json.loads(fam.read_text()).get("examples", {})
-  return {n: TASKS[n].heldout(1)[0][0] if n in TASKS else real[n] for n in names
-          if n in TASKS or n in real}
+  recorded = {}
+  for fam in (SHIPPED / "family.json", SHIPPED_REAL / "family.json"):
+    if fam.exists():
+      recorded.update(json.loads(fam.read_text()).get("examples", {}))
+  return {n: recorded[n] for n in names if n in recorded}
 
 
 def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str] | None = None,

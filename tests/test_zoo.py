@@ -102,3 +102,22 @@ def test_teacher_forced_exact_match_equals_greedy_decoding(micro):
   for i, ex in enumerate(held):
     em, _ = exact_match_and_nll(model, [ex], batch=8)
     assert (em == 100.0) == greedy[i], (ex, tok.decode(outs[i].tokens))
+
+
+def test_each_built_in_variant_answers_its_banner_example():
+  """Issue 23: the nano demo's banner asked nano-recall a question it answers wrongly. The
+  shipped examples are ones each compressed variant answers correctly, greedy, through the
+  chat template, and the banner shows them."""
+  from bitdelta_jax.zoo.banner_examples import answer_chat
+  from serving.cli import banner, demo_config
+
+  base, variants = shipped_family()
+  examples = json.loads((base.parent / "family.json").read_text())["examples"]
+  assert set(examples) == set(variants)
+  got = answer_chat(base, variants, {n: [p] for n, p in examples.items()}, max_new_tokens=16)
+  for n, p in examples.items():
+    want = dict(TASKS[n].heldout(16))[p]  # a held-out prompt, with its task's answer
+    assert got[n] == [want], (n, p, got[n], want)
+  text = banner(demo_config(port=0), "http://127.0.0.1:0", demo=True)
+  for n, p in examples.items():
+    assert repr(p) in text

@@ -249,6 +249,11 @@ def build(out_dir: str | Path, cache_dir: str | Path, cfg: ZooConfig = ZooConfig
       "task": TASKS[name].description, "exact_match_finetune": em_ft, "delta_norm_ratio": delta_norm_ratio(base_dir, ft_dir),
       "distill": dist, "seconds": time.perf_counter() - ts,
     }
+  from bitdelta_jax.zoo.banner_examples import pick_banner_examples
+
+  # the demo banner's prompts: ones the compressed variants answer correctly
+  family["examples"] = pick_banner_examples(
+    base_dir, {n: out_dir / "deltas" / n for n in cfg.tasks})
   family["seconds"] = time.perf_counter() - t0
   (out_dir / "family.json").write_text(json.dumps(family, indent=1))
   return family
