@@ -324,6 +324,14 @@ def test_json_schema_outputs_parse_and_validate(client):
     assert isinstance(json.loads(obj.choices[0].text), dict)
   else:  # cut by max_tokens: a prefix of a JSON object
     assert obj.choices[0].text.startswith("{")
+  # issue 23: an output cut short is not valid JSON, and says so with finish_reason "length"
+  cut = client.chat.completions.create(model="base", messages=[{"role": "user", "content": "x"}],
+                                       response_format=fmt, max_tokens=3, temperature=1.0, seed=0,
+                                       n=3)
+  for c in cut.choices:
+    assert c.finish_reason == "length", c.message.content
+    with pytest.raises(json.JSONDecodeError):
+      json.loads(c.message.content)
 
 
 def test_bad_parameters_are_400s_that_name_them(client):

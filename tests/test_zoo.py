@@ -119,5 +119,5 @@ def test_each_built_in_variant_answers_its_banner_example():
     want = dict(TASKS[n].heldout(16))[p]  # a held-out prompt, with its task's answer
     assert got[n] == [want], (n, p, got[n], want)
   text = banner(demo_config(port=0), "http://127.0.0.1:0", demo=True)
-  for n, p in examples.items():
+  for p in examples.values():
     assert repr(p) in text
