@@ -97,13 +97,25 @@ def slot_scales(model, slot: int = SLOT) -> tuple[dict[str, jax.Array], Callable
 
   Returns ``(scales, with_scales)``: ``scales`` is ``{HF weight name: f32 [N]}`` (one α per
   output column; a per-matrix α appears broadcast), ``with_scales(scales)`` returns a copy of
-  ``model`` whose slot ``slot`` uses them. Everything else is closed over as a constant, so
-  ``jax.grad`` of a loss of ``with_scales(scales)(tokens, slot_ids=...)`` is the gradient with
-  respect to that variant's scales alone; it works under `jax.jit` (for a large model, pass
-  the state as arguments instead, as `distill` does: constants are folded at compile time).
+  ``model`` whose slot ``slot`` uses them, so ``jax.grad`` of a loss of
+  ``with_scales(scales)(tokens, slot_ids=...)`` is the gradient with respect to that
+  variant's scales alone. Under `jax.jit`, pass the model's other weights as an argument,
+  ``with_scales(scales, state)`` with ``state = with_scales.state``: weights closed over
+  would be folded into the executable as constants (minutes and gigabytes for a 135M model).
   """
   scales, merge, state = _slot_scale_parts(model, slot)
-  return scales, lambda new: merge(new, *state)
+  return scales, WithScales(merge, state)
+
+
+class WithScales:
+  """``with_scales(scales, state=None)``: the model with one slot's α replaced (`slot_scales`);
+  ``state`` (a pytree: pass it into a jitted function) defaults to the model's own."""
+
+  def __init__(self, merge: Callable, state: tuple):
+    self._merge, self.state = merge, state
+
+  def __call__(self, scales, state=None):
+    return self._merge(scales, *(self.state if state is None else state))
 
 
 def distill(student, teacher, delta: dict, batches: Iterator[np.ndarray],

@@ -19,9 +19,13 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest size
 import numpy as np
 
 from bitdelta_jax.delta.store import DeltaStoreError, load_entry, read_manifest
+from bitdelta_jax.models.bank_options import (  # noqa: F401  (re-exported)
+  EMBEDDING_TENSORS,
+  added_tokens,
+  changes_embeddings,
+  packs_embeddings,
+)
 from serving.config import check_name
-
-EMBEDDING_TENSORS = ("embed_tokens", "lm_head", "wte", "wpe")
 
 
 class RegistryError(ValueError):
@@ -52,21 +56,6 @@ def is_adapter(path) -> bool:
   return os.path.exists(os.path.join(path, "adapter_config.json"))
 
 
-def added_tokens(manifest: dict, vocab_size: int) -> int:
-  """How many tokens the variant added to the base's ``vocab_size`` (embedding / LM-head rows
-  past the base's: ``extra_rows``, or a kept ``value`` that is longer)."""
-  n = 0
-  for name, meta in manifest["tensors"].items():
-    if not any(e in name for e in EMBEDDING_TENSORS):
-      continue
-    arrays = meta.get("arrays") or {}
-    if "extra_rows" in arrays:
-      n = max(n, int(arrays["extra_rows"]["shape"][0]))
-    elif meta.get("kind") == "value" and "value" in arrays:
-      n = max(n, int(arrays["value"]["shape"][0]) - vocab_size)
-  return n
-
-
 @dataclasses.dataclass(frozen=True)
 class Inspected:
   """What the start-up / registration checks learnt of a variant directory."""
@@ -74,18 +63,6 @@ class Inspected:
   nbytes: int  # host bytes of its arrays
   added_tokens: int = 0  # tokens past the base's vocabulary
   tokenizer: Any = None  # its own `Tokenizer` (kept by compress), or None: the base's
-
-
-def changes_embeddings(manifest: dict) -> bool:
-  """Whether the variant needs dense per-slot embedding / LM-head banks (an exact delta)."""
-  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] not in ("same", "packed")
-             for n, m in manifest["tensors"].items())
-
-
-def packs_embeddings(manifest: dict) -> bool:
-  """Whether the variant has 1-bit embedding / LM-head deltas (packed per-slot banks)."""
-  return any(any(e in n for e in EMBEDDING_TENSORS) and m["kind"] == "packed"
-             for n, m in manifest["tensors"].items())
 
 
 @dataclasses.dataclass(eq=False)

@@ -67,6 +67,36 @@ def test_api_md_example_runs_and_is_right(tmp_path, monkeypatch, capsys):
   def shifted(sign):
     return jax.tree.map(lambda s, d: s + sign * eps * d, scales, v)
 
-  fd = (float(loss(shifted(1))) - float(loss(shifted(-1)))) / (2 * eps)
+  state = ns["with_scales"].state
+  fd = (float(loss(shifted(1), state)) - float(loss(shifted(-1), state))) / (2 * eps)
   analytic = sum(float(jnp.vdot(grads[n], v[n])) for n in scales)
   assert abs(fd - analytic) <= 2e-2 * abs(analytic) + 1e-9, (fd, analytic)
+
+
+def test_from_pretrained_sizes_its_banks_for_the_variants_it_is_given(tmp_path):
+  """Issue 23: a delta with 1-bit embeddings (what the shipped real variants are) failed to
+  load until the user knew to pass packed_embedding_slots=True."""
+  from bitdelta_jax.synthetic import SyntheticConfig, make_base, make_finetune, write_checkpoint
+
+  cfg = SyntheticConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1)
+  base = make_base(cfg, 0)
+  ft = make_finetune(base, 1)
+  ft["model.embed_tokens.weight"] = ft["model.embed_tokens.weight"] + np.float32(0.02)
+  write_checkpoint(base, tmp_path / "base", cfg.hf_config())
+  write_checkpoint(ft, tmp_path / "ft", cfg.hf_config())
+  bdj.compress_checkpoints(tmp_path / "base", tmp_path / "ft", tmp_path / "d",
+                           bdj.CompressPolicy(), embeddings="1bit", progress=False)
+  delta = bdj.load_delta(tmp_path / "d")[0]
+  plain = bdj.from_pretrained(tmp_path / "base", jnp.float32, num_slots=2)
+  with pytest.raises(ValueError, match="packed_embedding_slots=True"):
+    bdj.load_variant(plain, 1, delta)
+  model = bdj.from_pretrained(tmp_path / "base", jnp.float32, num_slots=2,
+                              variants=[tmp_path / "d"])
+  bdj.load_variant(model, 1, delta)
+  tokens = jnp.asarray([[1, 5, 7, 9, 11]], jnp.int32)
+  got = model(tokens, slot_ids=jnp.ones((1,), jnp.int32))
+  base_t = {n: np.asarray(v, np.float32) for n, v in base.items()}
+  applied = bdj.from_tensors(plain.config, bdj.apply_delta(base_t, delta, hf_layout=True),
+                             jnp.float32)  # slot 0 of it: the materialised variant
+  np.testing.assert_allclose(np.asarray(got), np.asarray(applied(tokens)), rtol=2e-5, atol=2e-5)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax
@@ -131,6 +131,7 @@ def from_pretrained(
   extra_vocab: int = 0,
   packed_embedding_slots: bool = False,
   delta_implementation: str | None = None,
+  variants: Sequence[str | os.PathLike] = (),
 ) -> LlamaForCausalLM:
   """Loads ``config.json`` + safetensors from a local HF directory.
 
@@ -143,12 +144,23 @@ def from_pretrained(
     extra_vocab: per-slot rows for tokens variants added (a grown vocabulary; 0: none).
     packed_embedding_slots: give embeddings / LM head per-slot 1-bit delta banks (per-token α).
     delta_implementation: forced ``delta_matmul`` implementation (None = best available).
+    variants: delta / PEFT adapter directories to be loaded into the slots: the banks they
+      need (1-bit or exact embedding deltas, added tokens, LoRA rank) are added to the ones
+      asked for above (`bitdelta_jax.models.bank_options`).
 
   Raises:
     ConfigError: unsupported architecture or config field.
     CheckpointError: missing, unexpected or misshapen tensors.
   """
   path = Path(path)
+  if variants:
+    from bitdelta_jax.models.bank_options import bank_options
+
+    need = bank_options(variants, load_config(path).vocab_size)
+    dense_embedding_slots |= need["dense_embedding_slots"]
+    packed_embedding_slots |= need["packed_embedding_slots"]
+    lora_rank, extra_vocab = max(lora_rank, need["lora_rank"]), max(extra_vocab,
+                                                                    need["extra_vocab"])
   cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots,
                     lora_rank=lora_rank, extra_vocab=extra_vocab,
                     packed_embedding_slots=packed_embedding_slots)
