@@ -3,6 +3,7 @@ same result as the tree function, keeps the base's layout and files, and writes 
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -295,3 +296,22 @@ def test_options_that_would_be_ignored_or_are_invalid_are_refused(
   with pytest.raises(SystemExit, match=match):
     _merge(root, method, tmp_path / "x", *extra)
   assert not (tmp_path / "x").exists() and not list(tmp_path.glob(".bitdelta-*"))
+
+
+def test_a_chat_template_every_model_shares_is_kept(ckpts, tmp_path, capsys):
+  """Issue 23: merging two fine-tunes that share a chat template gave the merged model the
+  base's; a file they disagree on stays the base's, with a warning."""
+  root, _, _ = ckpts
+  models = []
+  for i, template in enumerate(["{{ shared }}", "{{ shared }}"]):
+    d = tmp_path / f"t{i}"
+    shutil.copytree(root / f"m{i}", d)
+    (d / "chat_template.jinja").write_text(template)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 3 + i]}))
+    models.append(str(d))
+  run("task-arithmetic", "--base", str(root / "base"), "--models", *models, "--out",
+      str(tmp_path / "out"))
+  assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ shared }}"
+  assert not (tmp_path / "out" / "generation_config.json").exists()  # they disagree
+  assert "generation_config.json differ; the merge keeps the base's" in capsys.readouterr().err
+  assert (tmp_path / "out" / "tokenizer.json").read_text() == "{}"  # the base's

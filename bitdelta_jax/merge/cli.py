@@ -1,7 +1,8 @@
 """``bitdelta merge <method>``: merge HF safetensors checkpoints tensor by tensor.
 
 Only one tensor (times the number of models) is in memory at a time; the output keeps the base's
-shard layout and index, takes config.json / tokenizer files from the base, and is written
+shard layout and index, takes config.json / tokenizer files from the base (those every merged
+model changed alike, e.g. a chat template, from the models), and is written
 through `bitdelta_jax.outputs.OutputDir` (kind "checkpoint"): into a temporary sibling directory
 swapped into place, and never over anything but a checkpoint that bitdelta wrote. OPCM needs the global norm of its merged
 update, so it runs two passes: the unnormalised update S goes to a float32 scratch file first.
@@ -360,6 +361,28 @@ def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
   scratch.unlink()
 
 
+def shared_tokenizer_files(base_dir: Path, models: list[Path]) -> dict[str, Path]:
+  """Tokenizer files (chat template, tokenizer config, generation config, ...) that every
+  merged model has, byte for byte alike, and that differ from the base's: the merge keeps
+  those, not the base's. Where the models disagree the base's file stays, with a warning."""
+  from bitdelta_jax.delta.stream import TOKENIZER_FILES
+
+  out = {}
+  for f in TOKENIZER_FILES:
+    have = [m / f for m in models if (m / f).is_file()]
+    if not have:
+      continue
+    contents = {p.read_bytes() for p in have}
+    base_f = Path(base_dir) / f
+    same_as_base = base_f.is_file() and contents == {base_f.read_bytes()}
+    if len(contents) == 1 and len(have) == len(models) and not same_as_base:
+      out[f] = have[0]
+    elif not same_as_base and len(contents) > 1:
+      print(f"warning: the merged models' {f} differ; the merge keeps the base's",
+            file=sys.stderr)
+  return out
+
+
 def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) -> None:
   if (base_dir / INDEX_FILE).exists() or len(layout) > 1:
     weight_map = {n: f for f, ns in layout.items() for n in ns}
@@ -373,6 +396,8 @@ def _finish(base_dir: Path, tmp: Path, layout, base, out_dtype, method, args) ->
     for f in base_dir.iterdir():
       if f.is_file() and f.suffix != ".safetensors" and f.name not in _NOT_COPIED:
         shutil.copy2(f, tmp / f.name)
+  for name, src in shared_tokenizer_files(base_dir, [Path(m) for m in args.models]).items():
+    shutil.copy2(src, tmp / name)  # what every merged model changed alike (a chat template)
   normalize = args.normalize
   if normalize is None and method in ("linear", *_GTA):
     normalize = True if method == "linear" else _GTA[method][2]
