@@ -11,12 +11,14 @@ update, so it runs two passes: the unnormalised update S goes to a float32 scrat
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -228,21 +230,14 @@ def _tensor_fn(method: str, args) -> Callable:
     rescale = _rescale(method, args)
     dens = densities(args.density, n) if sparsify is not None else None
     cons = args.consensus if consensus else None
+    # one compiled function per tensor shape (a Llama has a handful), not op-by-op dispatch
+    merge = jax.jit(functools.partial(task_arithmetic_family_tensor, densities=dens,
+                                      sparsify=sparsify, consensus=cons, normalize=normalize,
+                                      rescale=rescale))
 
     def gta(name, b, xs):
       key = tensor_key(args.seed, name) if sparsify == "random" else None
-      return task_arithmetic_family_tensor(
-        b,
-        jnp.stack(xs),
-        w,
-        key,
-        args.lambda_,
-        densities=dens,
-        sparsify=sparsify,
-        consensus=cons,
-        normalize=normalize,
-        rescale=rescale,
-      )
+      return merge(b, jnp.stack(xs), w, key, args.lambda_)
 
     return gta
   if method == "monosoup":
