@@ -43,3 +43,34 @@ def test_dispatch_rows_and_dtypes():
   assert not cpu.usable(1, jnp.float32, jnp.float32)  # XLA's GEMV is the better choice
   assert not cpu.usable(cpu.MAX_ROWS + 1, jnp.float32, jnp.float32)
   assert not cpu.usable(8, jnp.bfloat16, jnp.bfloat16)
+
+
+def test_concurrent_callers_each_get_their_own_product():
+  """XLA runs independent custom calls on several threads at once; the kernel's thread pool
+  used to let a second caller reset the first one's job (wrong results, and workers writing
+  into a buffer XLA had already reused: the crashes seen in full test runs)."""
+  import threading
+
+  rng = np.random.default_rng(0)
+  cases = [(rng.standard_normal((8, 576), np.float32), rng.standard_normal((576, 1536), np.float32))
+           for _ in range(4)]
+  want = [x.astype(np.float64) @ w.astype(np.float64) for x, w in cases]
+  f = jax.jit(cpu.small_matmul)
+  for x, w in cases:
+    f(x, w).block_until_ready()
+  errors = []
+
+  def work(i):
+    x, w = cases[i]
+    for _ in range(40):
+      got = np.asarray(f(x, w))
+      if not np.allclose(got, want[i], rtol=1e-4, atol=1e-3):
+        errors.append(i)
+        return
+
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == []

@@ -42,6 +42,10 @@ class Pool {
       for (int i = 0; i < n; ++i) f(i);
       return;
     }
+    // One run at a time: XLA runs independent custom calls (q/k/v projections, two engines'
+    // steps) on several threads at once, and a second caller would reset job_ / done_ under
+    // the first, letting it return while workers still write into its (reused) output buffer.
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
     uint64_t gen;
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -94,6 +98,7 @@ class Pool {
     }
   }
   int workers_ = 0;
+  std::mutex run_mu_;
   std::mutex mu_;
   std::condition_variable cv_, done_cv_;
   const std::function<void(int)>* job_ = nullptr;
