@@ -118,15 +118,9 @@ class Engine:
     self._live: set[GenRequest] = set()  # paged loop: choices added and not yet ended
 
   # -- public (any thread) -----------------------------------------------------------------
-  DEVICE_THREAD_STACK = 64 << 20  # XLA compiles on this thread; 8 MiB is the default
-
   def start(self) -> concurrent.futures.Future:
-    old = threading.stack_size(self.DEVICE_THREAD_STACK)  # applies to threads made after it
-    try:
-      self._thread = threading.Thread(target=self._main, name="bitdelta-device", daemon=True)
-      self._thread.start()
-    finally:
-      threading.stack_size(old)
+    self._thread = threading.Thread(target=self._main, name="bitdelta-device", daemon=True)
+    self._thread.start()
     return self._ready
 
   def submit(self, req: GenRequest) -> None:
