@@ -167,9 +167,9 @@ class ServerConfig:
 
   @property
   def max_prompt_tokens(self) -> int:
-    """Longest prompt accepted: room for one generated token (the sharded engine's prompts
-    must also fit its largest prefill bucket; the paged engine chunks long prompts)."""
-    if self.sharded:
+    """Longest prompt accepted: room for one generated token (the multi-process engine's
+    prompts must also fit its largest prefill bucket; the paged engine chunks long prompts)."""
+    if self.multi_process:
       return min(self.prefill_buckets[-1], self.max_seq_len - 1)
     return self.max_seq_len - 1
 

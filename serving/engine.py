@@ -542,36 +542,37 @@ def _code(e: BaseException) -> str | None:
 def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_rank: int = 0,
                     extra_vocab: int = 0, packed_embedding_slots: bool = False, tokenizer=None,
                     model_factory: Callable | None = None):
-  """The engine's generator: a `Generator`, or with a mesh / several processes a
-  `bitdelta_jax.sharding.ShardedGenerator` over the (global) mesh, the base restored straight
-  into its shardings. Every process of a multi-process server calls this with the same
-  arguments (the same JAX computations in the same order)."""
+  """The engine's generator: the paged engine (`PagedGenerator`) on one device or, with
+  ``--mesh``, over a device mesh (the base restored straight into its shardings); with several
+  processes the fixed-row `bitdelta_jax.sharding.ShardedGenerator` over the global mesh, which
+  every process builds with the same arguments (the same JAX computations in the same order)."""
   import jax.numpy as jnp
 
-  kw = dict(buckets=cfg.prefill_buckets, max_seq_len=cfg.max_seq_len, max_rows=cfg.max_batch,
-            tokenizer=tokenizer)
+  from bitdelta_jax.models.paged import PagedGenerator
+
   dtype = getattr(jnp, cfg.dtype)
+  mesh = None
   if cfg.sharded:
     from bitdelta_jax import sharding
 
     mesh = sharding.make_mesh(cfg.mesh)
-    if model_factory is not None:
-      model = model_factory()
-    else:
-      model = sharding.restore_base(cfg.base, mesh, dtype, num_slots=cfg.device_slots + 1,
-                                    dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
     log.info("sharded over mesh %s (%d processes)", sharding.mesh_spec(mesh), cfg.num_processes)
-    return sharding.ShardedGenerator(model, mesh, **kw)
-  from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
-
   if model_factory is not None:
     model = model_factory()
+  elif mesh is not None:
+    model = sharding.restore_base(cfg.base, mesh, dtype, num_slots=cfg.device_slots + 1,
+                                  dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
   else:
+    from bitdelta_jax.models import from_pretrained
+
     model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1,
                             dense_embedding_slots=embedding_slots, lora_rank=lora_rank,
                             extra_vocab=extra_vocab,
                             packed_embedding_slots=packed_embedding_slots)
+  if cfg.multi_process:
+    return sharding.ShardedGenerator(model, mesh, buckets=cfg.prefill_buckets,
+                                     max_seq_len=cfg.max_seq_len, max_rows=cfg.max_batch,
+                                     tokenizer=tokenizer)
   mc = model.config
   token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
   pages_per_seq = -(-cfg.max_seq_len // cfg.page_size)
@@ -580,4 +581,4 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
   return PagedGenerator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
                         page_size=cfg.page_size, num_pages=num_pages,
                         prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
-                        tokenizer=tokenizer)
+                        tokenizer=tokenizer, mesh=mesh)

@@ -298,8 +298,17 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
 
 
 def test_single_process_mesh_serves_like_one_device(family, reference):
-  """``mesh`` in one process: ShardedGenerator, base restored into its shardings, variants
-  loaded from in-memory deltas (this process has one device: a 1x1 mesh)."""
+  """``mesh`` in one process: the paged engine, base restored into its shardings, variants
+  loaded from in-memory deltas (this process has one device: a 1x1 mesh), and what the
+  fixed-row engine refused (n, logprobs) is served."""
   with ServerThread(family[1].replace(mesh="data=1,model=1")) as one:
     assert _answers(one.url, parallel=True) == reference
     assert requests.get(one.url + "/health").json()["status"] == "ok"
+    m, p = REQUESTS[1]
+    r = requests.post(one.url + "/v1/completions", json={
+      "model": m, "prompt": p, "temperature": 0, "max_tokens": 8, "ignore_eos": True, "n": 2,
+      "logprobs": 2}, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["text"] for c in choices] == [reference[1][0]] * 2  # greedy: both the same text
+    assert all(len(c["logprobs"]["tokens"]) == 8 for c in choices)

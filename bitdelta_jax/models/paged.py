@@ -52,8 +52,6 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -61,6 +59,7 @@ from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.generate import Generation, per_request
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
+from bitdelta_jax.models.mesh_layout import MeshLayout
 from bitdelta_jax.models.paged_batch import (
   PagedBatch,
   Seq,
@@ -96,6 +95,8 @@ class PagedGenerator:
     prefix_caching: bool = True,
     min_pages_bucket: int = 16,
     tokenizer=None,
+    mesh=None,
+    rules=None,
   ):
     if page_size < 1 or prefill_chunk < 1 or max_rows < 1:
       raise ValueError("page_size, prefill_chunk and max_rows must be >= 1")
@@ -111,13 +112,13 @@ class PagedGenerator:
       num_pages = self.max_rows * self.max_pages_per_seq + 1
     self.pool = PagePool(int(num_pages), self.page_size, prefix_caching)
     cfg = model.config
+    self.layout = MeshLayout.of(model, mesh, rules)
     shape = (cfg.num_layers, int(num_pages), self.page_size, cfg.num_kv_heads, cfg.head_dim)
-    self.k_pool = jnp.zeros(shape, model.dtype)
-    self.v_pool = jnp.zeros(shape, model.dtype)
+    self.k_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
+    self.v_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
     self.graphdef, self.state = nnx.split(model)
-    self._run = jax.jit(functools.partial(run_impl, self.graphdef),
-                        static_argnames=("base_only",), donate_argnums=(1, 2))
-    self._copy_pages = jax.jit(copy_pages_impl, donate_argnums=(0, 1))
+    self._run, self._copy_pages = self.layout.jit_step(
+      functools.partial(run_impl, self.graphdef), copy_pages_impl)
     self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
     self._neutral: dict[int, LogitControls] = {}  # rows -> device arrays, reused every step
     self.slot_epoch = [0] * cfg.num_slots
@@ -128,15 +129,29 @@ class PagedGenerator:
     self.steps = 0  # scheduler iterations run (the clock of `Seq.progress_step`)
 
   # -- variants ------------------------------------------------------------------------------
+  @property
+  def mesh(self):
+    return self.layout.mesh
+
   def refresh(self) -> None:
     """Re-reads the model's state (after its banks or parameters changed)."""
-    self.state = nnx.state(self.model)
+    self.state = self.layout.place_state(nnx.state(self.model))
 
   def load_variant(self, slot: int, delta) -> None:
-    slots_lib.load_variant(self.model, slot, delta)
+    """``delta``: an in-memory delta dict, or (on a mesh) also a delta directory, written
+    shard by shard."""
+    if self.mesh is not None:
+      from bitdelta_jax.sharding.restore import load_variant_sharded
+
+      load_variant_sharded(self.model, slot, delta)
+    else:
+      slots_lib.load_variant(self.model, slot, delta)
     self._slot_changed(slot)
 
   def clear_slot(self, slot: int) -> None:
+    if self.mesh is not None:
+      self.load_variant(slot, {})
+      return
     slots_lib.clear_slot(self.model, slot)
     self._slot_changed(slot)
 
@@ -316,7 +331,7 @@ class PagedGenerator:
     pending_out = []
     for work, (batch, outputs, scored, base_only) in calls:
       self.k_pool, self.v_pool, out = self._run(self.state, self.k_pool, self.v_pool, batch,
-                                                base_only=base_only)
+                                                base_only)
       self.shapes_run.add((batch.tokens.shape, batch.pages.shape[1], len(outputs), base_only))
       pending_out.append((work, outputs, scored, out))
     result = StepResult([], errors, sum(n for _, n in prefill))
@@ -496,7 +511,7 @@ class PagedGenerator:
     """The outputs' logit controls: the cached neutral (device) arrays when no output uses
     any, else host arrays with each controlled row filled in."""
     if nout not in self._neutral:
-      self._neutral[nout] = jax.device_put(
+      self._neutral[nout] = self.layout.replicate(
         LogitControls.neutral(nout, self.vocab_size, self.max_seq_len))
     if not any(s.params.controlled for s in outputs):
       return self._neutral[nout]

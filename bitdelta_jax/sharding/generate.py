@@ -35,6 +35,7 @@ from bitdelta_jax.sharding.rules import (
   PartitionRules,
   Plan,
   kv_cache_spec,
+  on_mesh,
   place,
   rows_spec,
   shard_model,
@@ -42,20 +43,12 @@ from bitdelta_jax.sharding.rules import (
 )
 
 
-def _is_sharded(model, mesh: Mesh) -> bool:
-  leaves = jax.tree.leaves(nnx.state(model))
-  return bool(leaves) and all(
-    isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding) and a.sharding.mesh == mesh
-    for a in leaves
-  )
-
-
 class ShardedModel:
   """The model's ``prefill`` / ``decode`` jitted over ``mesh`` (shards the model if needed)."""
 
   def __init__(self, model, mesh: Mesh, rules: PartitionRules = PartitionRules()):
     self.mesh = mesh
-    self.plan: Plan | None = None if _is_sharded(model, mesh) else shard_model(model, mesh, rules)
+    self.plan: Plan | None = None if on_mesh(model, mesh) else shard_model(model, mesh, rules)
     self.graphdef, self.state = nnx.split(model)
     self.cfg = model.config
     self._param_sh = shardings_of(self.state)
@@ -111,7 +104,7 @@ class ShardedGenerator(Generator):
 
   def __init__(self, model, mesh: Mesh, *, rules: PartitionRules = PartitionRules(), **kwargs):
     self.mesh = mesh
-    self.plan = None if _is_sharded(model, mesh) else shard_model(model, mesh, rules)
+    self.plan = None if on_mesh(model, mesh) else shard_model(model, mesh, rules)
     super().__init__(model, **kwargs)
     sizes = dict(mesh.shape)
     cfg, r = model.config, self.max_rows

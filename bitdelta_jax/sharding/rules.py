@@ -231,6 +231,15 @@ def shard_model(model, mesh: Mesh, rules: PartitionRules = PartitionRules()) -> 
   return plan
 
 
+def on_mesh(model, mesh: Mesh) -> bool:
+  """Every array of ``model``'s state already lives on ``mesh`` (e.g. `restore_base`'s)."""
+  leaves = jax.tree.leaves(nnx.state(model))
+  return bool(leaves) and all(
+    isinstance(a, jax.Array) and isinstance(a.sharding, NamedSharding) and a.sharding.mesh == mesh
+    for a in leaves
+  )
+
+
 def shardings_of(tree):
   """The sharding of every array leaf of ``tree`` (for jit ``in_shardings``)."""
   return jax.tree.map(lambda a: a.sharding, tree)

@@ -1,0 +1,94 @@
+"""Where the paged engine's arrays live: one device, or a ``(data, model)`` device mesh.
+
+    layout = MeshLayout.of(model, mesh)     # mesh None: one device, plain jit
+    run, copy = layout.jit_step(run_impl, copy_pages_impl)
+
+On a mesh (`bitdelta_jax.sharding.make_mesh`):
+
+* **parameters** (base weights, 1-bit bits and scales, LoRA factors, embedding banks) as
+  `bitdelta_jax.sharding.shard_model` places them (tensor parallel over ``model``; the delta
+  matmuls run per shard, `bitdelta_jax.sharding.ShardedDeltaMatmul`). A model restored straight
+  into its shardings (`bitdelta_jax.sharding.restore_base`) is used as it is.
+* **KV pages** ``[L, pages, page_size, kv_heads, head_dim]``: kv heads over ``model`` when they
+  divide, else replicated. The page table is host data shared by all devices: every device
+  holds the same pages, each only its own heads, so a step's writes and gathers stay local.
+* **step inputs and outputs** (`bitdelta_jax.models.paged_batch.PagedBatch`, `StepOutput`):
+  replicated; every device sees the whole (small) batch and the sampled tokens.
+
+The pages are donated to every step, so the cache is never copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Shardings of the paged engine's state on ``mesh`` (all None on one device)."""
+
+  mesh: Any = None  # jax.sharding.Mesh | None
+  params: Any = None  # a NamedSharding per leaf of the model state
+  kv: Any = None  # NamedSharding of each KV page pool
+  replicated: Any = None
+
+  @classmethod
+  def of(cls, model, mesh=None, rules=None) -> MeshLayout:
+    """The layout of ``model`` on ``mesh``; shards the model in place unless it already lives
+    there."""
+    if mesh is None:
+      return cls()
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from bitdelta_jax.sharding.mesh import MODEL
+    from bitdelta_jax.sharding.rules import PartitionRules, on_mesh, shard_model, shardings_of
+
+    if not on_mesh(model, mesh):
+      shard_model(model, mesh, rules or PartitionRules())
+    m = int(dict(mesh.shape).get(MODEL, 1))
+    heads = MODEL if m > 1 and model.config.num_kv_heads % m == 0 else None
+    return cls(mesh, shardings_of(nnx.state(model)),
+               NamedSharding(mesh, P(None, None, None, heads, None)), NamedSharding(mesh, P()))
+
+  def zeros(self, shape, dtype, sharding) -> jax.Array:
+    """Zeros born in ``sharding`` (never whole on one device first)."""
+    if self.mesh is None:
+      return jnp.zeros(shape, dtype)
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+  def place_state(self, state):
+    """The model state with every leaf in its sharding (a no-op for leaves already there)."""
+    if self.mesh is None:
+      return state
+    from bitdelta_jax.sharding.rules import place
+
+    return jax.tree.map(place, state, self.params)
+
+  def replicate(self, tree):
+    """Host arrays as device arrays every device of the mesh holds whole."""
+    if self.mesh is None:
+      return jax.device_put(tree)
+    from bitdelta_jax.sharding.rules import place
+
+    return jax.tree.map(lambda a: place(a, self.replicated), tree)
+
+  def jit_step(self, run, copy):
+    """``run(state, k_pool, v_pool, batch, base_only)`` (``base_only`` static, passed by
+    position: jit takes no keyword arguments with shardings) and ``copy(k_pool, v_pool, src,
+    dst)``, jitted with the pools donated (and, on a mesh, with these shardings)."""
+    if self.mesh is None:
+      return (jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2)),
+              jax.jit(copy, donate_argnums=(0, 1)))
+    kv, rep = self.kv, self.replicated
+    return (
+      jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2),
+              in_shardings=(self.params, kv, kv, rep), out_shardings=(kv, kv, rep)),
+      jax.jit(copy, donate_argnums=(0, 1), in_shardings=(kv, kv, rep, rep),
+              out_shardings=(kv, kv)),
+    )

@@ -1,0 +1,155 @@
+"""Subprocess side of tests/test_paged_mesh.py: the paged engine on 8 simulated CPU devices.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/paged_mesh_worker.py OUT.json
+
+Runs one mixed batch (base, two 1-bit variants, one of them with changed embeddings and norms,
+a LoRA; n=2, log probabilities, prompt log probabilities, penalties and bias, a token mask, a
+prompt longer than a prefill chunk, prefix-cache hits) through `PagedGenerator` on one device
+and on 1x8 and 2x4 ``(data, model)`` meshes, and writes every choice's tokens and log
+probabilities plus where the KV pages live. The flag must be set before jax starts, which is
+why this is a separate process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from bitdelta_jax import sharding  # noqa: E402
+from bitdelta_jax.delta.compress import Dense  # noqa: E402
+from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
+from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
+from bitdelta_jax.models.paged_batch import finish_reason  # noqa: E402
+from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.models.slots import LoraEntry, _targets, load_variant  # noqa: E402
+
+# 4 kv heads: split over model=4 (2x4), replicated on model=8 (1x8); hidden 512 keeps o_proj
+# row-parallel on model=4 and column-parallel on model=8 (whole bit-plane groups, rules.py)
+CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
+                  num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,
+                  num_slots=5, dense_embedding_slots=True, lora_rank=4)
+
+
+def variants(model) -> dict[int, dict]:
+  """slot 1: 1-bit, one α per matrix; slot 2: 1-bit per column + changed embeddings, LM head,
+  norms and biases; slot 3: a LoRA of rank 4 on every linear layer."""
+  out: dict[int, dict] = {1: {}, 2: {}, 3: {}}
+  for seed, slot in ((1, 1), (2, 2), (3, 3)):
+    rng = np.random.default_rng(seed)
+    for name, (mod, role) in _targets(model).items():
+      if role == "linear" and slot in (1, 2):
+        kp, n = mod.delta_bits.shape[1:]
+        scale = (np.full((1,), 0.02, np.float32) if slot == 1
+                 else rng.uniform(0.01, 0.03, (n,)).astype(np.float32))
+        out[slot][name] = PackedDelta(rng.integers(0, 256, (kp, n), dtype=np.uint8), scale,
+                                      (mod.in_features, mod.out_features), mod.group_k,
+                                      "matrix" if slot == 1 else "column")
+      elif role == "linear":
+        a = 0.05 * rng.standard_normal((mod.in_features, 4)).astype(np.float32)
+        b = 0.05 * rng.standard_normal((4, mod.out_features)).astype(np.float32)
+        out[slot][name] = LoraEntry(a, b)
+      elif slot == 2 and role in ("norm", "bias"):
+        shape = np.shape(mod.weight.get_value() if role == "norm" else mod.bias.get_value())
+        out[slot][name] = Dense("delta", (0.05 * rng.standard_normal(shape)).astype(np.float32))
+      elif slot == 2 and role in ("embed", "head"):
+        w = np.asarray(mod.weight.get_value() if role == "embed" else mod.kernel.get_value().T)
+        out[slot][name] = Dense("value", (w + 0.02 * rng.standard_normal(w.shape)).astype(np.float32))
+  return out
+
+
+class EvenTokens:
+  """A token mask (the grammar interface): only even ids, finished after 5 tokens."""
+
+  def matcher(self):
+    return _EvenMatcher()
+
+
+class _EvenMatcher:
+  def __init__(self):
+    self.n = 0
+
+  def fill_bitmask(self, words):
+    words[:] = np.int32(0x55555555)
+
+  def accept(self, tok):
+    if tok % 2:
+      raise ValueError(f"odd token {tok}")
+    self.n += 1
+
+  def is_finished(self):
+    return self.n >= 5
+
+
+def requests():
+  rng = np.random.default_rng(7)
+
+  def prompt(n):
+    return rng.integers(3, CFG.vocab_size, n).tolist()
+
+  shared = prompt(24)  # prefix-cache hits for the two that repeat it
+  greedy = SamplingParams(max_new_tokens=8)
+  return [
+    ("base", shared, 0, greedy, 1),
+    ("base_again", shared, 0, greedy, 1),  # 3 cached pages of 8
+    ("v1", shared, 1, SamplingParams(max_new_tokens=8, logprobs=3), 1),
+    ("v2_long", prompt(70), 2, greedy, 1),  # > prefill_chunk: three chunks
+    ("v2_n2", prompt(9), 2, SamplingParams(temperature=0.8, seed=5, max_new_tokens=6), 2),
+    ("lora_echo", prompt(12), 3, SamplingParams(max_new_tokens=4, prompt_logprobs=2), 1),
+    ("v1_controls", prompt(5), 1,
+     SamplingParams(max_new_tokens=8, repetition_penalty=1.3, presence_penalty=0.5,
+                    logit_bias=((17, 5.0),)), 1),
+    ("v2_mask", prompt(6), 2, SamplingParams(max_new_tokens=12, grammar=EvenTokens()), 1),
+    ("lora_1tok_n3", [5], 3, SamplingParams(temperature=1.0, seed=2, max_new_tokens=3), 3),
+  ]
+
+
+def run(mesh) -> dict:
+  model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  vs = variants(model)
+  for slot in (1, 2):
+    load_variant(model, slot, vs[slot])
+  gen = PagedGenerator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8,
+                       prefill_chunk=32)
+  gen.load_variant(3, vs[3])  # after sharding: written shard by shard on a mesh
+  out: dict = {}
+  for name, prompt, slot, params, n in requests():
+    gen.add_n(prompt, slot, params, [(name, c) for c in range(n)])
+  while gen.has_work:
+    res = gen.step()
+    if res.errors:
+      raise RuntimeError(res.errors)
+    for s, _ in res.tokens:
+      if finish_reason(s, gen.max_seq_len) is not None:
+        out[f"{s.tag[0]}/{s.tag[1]}"] = {
+          "tokens": list(s.generated),
+          "logprobs": [[lp, ids, vals] for lp, ids, vals in s.token_logprobs],
+          "prompt_logprobs": {str(k): list(v) for k, v in sorted(s.prompt_logprobs.items())},
+        }
+        gen.finish(s)
+  k = gen.k_pool
+  return {"choices": out, "kv_spec": str(getattr(k.sharding, "spec", None)),
+          "kv_shard_shape": list(k.addressable_shards[0].data.shape),
+          "kv_devices": len(k.sharding.device_set), "compiles": gen.compiles}
+
+
+def main(path: str) -> None:
+  rep = {"devices": len(jax.devices()), "one_device": run(None), "meshes": {}}
+  for spec in ("1x8", "2x4"):
+    d, m = map(int, spec.split("x"))
+    rep["meshes"][spec] = run(sharding.make_mesh(f"data={d},model={m}"))
+  pathlib.Path(path).write_text(json.dumps(rep))
+
+
+if __name__ == "__main__":
+  main(sys.argv[1])

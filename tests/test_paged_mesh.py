@@ -1,0 +1,69 @@
+"""The paged engine on a device mesh gives what it gives on one device (issue 18, part 3).
+
+8 simulated CPU devices in a subprocess (tests/paged_mesh_worker.py): the same mixed batch on
+one device and on 1x8 and 2x4 ``(data, model)`` meshes. Greedy tokens must be equal; log
+probabilities equal to f32 rounding (a row-parallel layer sums its shards' partial products in
+another order than one device does).
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+WORKER = pathlib.Path(__file__).with_name("paged_mesh_worker.py")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  out = tmp_path_factory.mktemp("paged_mesh") / "report.json"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", BITDELTA_CPU_THREADS="1")
+  proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(out.read_text())
+
+
+def test_every_choice_finishes_and_the_variants_matter(report):
+  ref = report["one_device"]["choices"]
+  want = {"base/0", "base_again/0", "v1/0", "v2_long/0", "v2_n2/0", "v2_n2/1", "lora_echo/0",
+          "v1_controls/0", "v2_mask/0", "lora_1tok_n3/0", "lora_1tok_n3/1", "lora_1tok_n3/2"}
+  assert set(ref) == want
+  assert ref["base/0"]["tokens"] == ref["base_again/0"]["tokens"]  # prefix-cache hit, same text
+  assert ref["v1/0"]["tokens"] != ref["base/0"]["tokens"]  # the 1-bit variant changes the text
+  assert ref["v2_n2/0"]["tokens"] != ref["v2_n2/1"]["tokens"]  # two sampled choices
+  assert len(ref["v2_mask/0"]["tokens"]) == 5 and all(t % 2 == 0 for t in ref["v2_mask/0"]["tokens"])
+  assert len(ref["v1/0"]["logprobs"]) == 8 and len(ref["lora_echo/0"]["prompt_logprobs"]) == 11
+
+
+@pytest.mark.parametrize("spec", ["1x8", "2x4"])
+def test_mesh_gives_the_one_device_tokens_and_log_probabilities(report, spec):
+  ref, got = report["one_device"]["choices"], report["meshes"][spec]["choices"]
+  assert set(got) == set(ref)
+  for name, r in ref.items():
+    g = got[name]
+    assert g["tokens"] == r["tokens"], name
+    for (lp_r, ids_r, vals_r), (lp_g, ids_g, vals_g) in zip(r["logprobs"], g["logprobs"]):
+      assert abs(lp_r - lp_g) <= 1e-4, name
+      assert ids_r == ids_g, name
+      np.testing.assert_allclose(vals_g, vals_r, atol=1e-4)
+    assert r["prompt_logprobs"].keys() == g["prompt_logprobs"].keys(), name
+    for pos, (lp_r, ids_r, vals_r) in r["prompt_logprobs"].items():
+      lp_g, ids_g, vals_g = g["prompt_logprobs"][pos]
+      assert abs(lp_r - lp_g) <= 1e-4 and ids_r == ids_g, (name, pos)
+      np.testing.assert_allclose(vals_g, vals_r, atol=1e-4)
+
+
+def test_kv_pages_split_by_kv_head_when_the_heads_divide(report):
+  one, m18, m24 = report["one_device"], report["meshes"]["1x8"], report["meshes"]["2x4"]
+  # [L, pages, page_size, kv_heads, head_dim]: 4 kv heads over model=4, whole on model=8
+  assert m24["kv_spec"] == "P(None, None, None, 'model', None)"
+  assert m24["kv_shard_shape"][3] == one["kv_shard_shape"][3] // 4
+  assert m18["kv_spec"] == "P(None, None, None, None, None)"
+  assert m18["kv_shard_shape"] == one["kv_shard_shape"]
+  assert m18["kv_devices"] == m24["kv_devices"] == 8
