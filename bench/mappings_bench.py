@@ -67,9 +67,11 @@ def main() -> None:
          "programs_to_the_limit": int((limit() - base_maps) / per) if per > 0 else None}
   OUT.mkdir(exist_ok=True)
   (OUT / "mappings.json").write_text(json.dumps(rep, indent=1))
+  mc = rep["machine"]
   md = ["# Memory mappings per compiled engine program (XLA CPU)", "",
         f"Paged engine on the built-in nano base (+1 variant), max_seq_len {args.max_seq_len}; "
-        f"`vm.max_map_count` = {rep['max_map_count']}. Machine: {rep['machine']}.", "",
+        f"`vm.max_map_count` = {rep['max_map_count']}. Machine: {mc['cpu']}, {mc['cores']} "
+        f"cores, jax {mc.get('jax')}. Script: `bench/mappings_bench.py`.", "",
         "| stage | mappings | engine programs |", "|---|---|---|"]
   md += [f"| {s} | {m} | {c} |" for s, m, c in rows]
   md += ["", f"About {rep['mappings_per_program']} mappings per program: "

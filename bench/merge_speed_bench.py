@@ -1,6 +1,6 @@
 """Per-tensor merge cost: the task-arithmetic family jitted per shape vs op-by-op (eager).
 
-    python bench/merge_speed_bench.py [--rounds 3]
+    python bench/merge_speed_bench.py [--rounds 3] [--layers 30]
 
 The tensors of a SmolLM2-135M-shaped checkpoint (30 layers, hidden 576, MLP 1536, 9/3 heads,
 vocab 49152, random f32), two "fine-tunes" of it; each round merges every tensor with
@@ -43,9 +43,10 @@ def shapes(layers=30, d=576, f=1536, kv=192, vocab=49152):
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--layers", type=int, default=30, help="decoder layers (the 135M has 30)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
-  tensors = {n: rng.standard_normal(s, np.float32) for n, s in shapes().items()}
+  tensors = {n: rng.standard_normal(s, np.float32) for n, s in shapes(args.layers).items()}
   fts = {n: [t + 0.01 * rng.standard_normal(t.shape, np.float32) for _ in range(2)]
          for n, t in tensors.items()}
   w = jnp.ones((2,), jnp.float32)
@@ -63,17 +64,20 @@ def main() -> None:
           np.asarray(fn(jnp.asarray(b), jnp.stack([jnp.asarray(x) for x in fts[n]]), w, None,
                         1.0))
         times[label].append(time.perf_counter() - t)
+        print(f"{method} {label}: {times[label][-1]:.2f} s", flush=True)
     e, j = statistics.median(times["eager"]), statistics.median(times["jit"])
     res[method] = {"eager_s": round(e, 2), "jit_s": round(j, 2), "speedup": round(e / j, 2),
                    "first_round": {k: round(v[0], 2) for k, v in times.items()}}
-  doc = {"machine": machine.describe(), "rounds": args.rounds, "tensors": len(tensors),
+  doc = {"machine": machine.describe(), "rounds": args.rounds, "layers": args.layers,
+         "tensors": len(tensors),
          "results": res}
   OUT.mkdir(exist_ok=True)
   (OUT / "merge_speed.json").write_text(json.dumps(doc, indent=2))
   m = doc["machine"]
   lines = ["# Merge compute per checkpoint: jitted per shape vs op-by-op", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. {len(tensors)} tensors "
-           "of a SmolLM2-135M-shaped checkpoint, 2 models; medians of "
+           f"of a SmolLM2-135M-shaped checkpoint with {args.layers} of its 30 layers (embeddings "
+           "included), 2 models; medians of "
            f"{args.rounds} interleaved rounds (the first round includes compiles). Script: "
            "`bench/merge_speed_bench.py`.", "",
            "| method | op-by-op (s) | jitted (s) | speedup | first round op-by-op / jitted (s) |",

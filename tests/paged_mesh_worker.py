@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -138,9 +139,25 @@ def run(mesh) -> dict:
         }
         gen.finish(s)
   k = gen.k_pool
-  return {"choices": out, "kv_spec": str(getattr(k.sharding, "spec", None)),
+  gathers = all_gathers(gen) if mesh is not None else {}
+  return {"choices": out, "gathers": gathers, "kv_spec": str(getattr(k.sharding, "spec", None)),
           "kv_shard_shape": list(k.addressable_shards[0].data.shape),
           "kv_devices": len(k.sharding.device_set), "compiles": gen.compiles}
+
+
+def all_gathers(gen) -> dict:
+  """What the all-gathers of a compiled mixed-variant prefill step gather: (dtype, shape) of
+  each, and the KV pool's shape."""
+  gen.add(list(range(3, 40)), 2, SamplingParams(max_new_tokens=1))
+  gen._admit()
+  _, prefill, _ = gen._plan()
+  batch, _, _, base_only = gen._prefill_batch(prefill)
+  txt = gen._run.lower(gen.state, gen.k_pool, gen.v_pool, batch, base_only).compile().as_text()
+  shapes = [re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line) for line in txt.splitlines()
+            if " all-gather(" in line or "all-gather-start(" in line]
+  return {"gathered": [[m.group(1), [int(d) for d in m.group(2).split(",") if d]]
+                       for m in shapes if m],
+          "pool_shape": list(gen.k_pool.shape)}
 
 
 def main(path: str) -> None:

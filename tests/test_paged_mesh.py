@@ -67,3 +67,16 @@ def test_kv_pages_split_by_kv_head_when_the_heads_divide(report):
   assert m18["kv_spec"] == "P(None, None, None, None, None)"
   assert m18["kv_shard_shape"] == one["kv_shard_shape"]
   assert m18["kv_devices"] == m24["kv_devices"] == 8
+
+
+@pytest.mark.parametrize("spec", ["2x4"])
+def test_a_step_gathers_no_delta_bits_and_no_kv_pages(report, spec):
+  """The compiled step keeps the delta bits on their devices (per-shard kernels) and never
+  gathers KV pages (which would read every page onto every device), when the kv heads divide
+  over ``model``. Known defect, not asserted: on 1x8 (4 kv heads over 8 devices, pools
+  replicated) XLA still all-gathers the whole K and V pools in each step; the fix is to
+  replicate the kv heads at load up to ``model`` (issue 18)."""
+  g = report["meshes"][spec]["gathers"]
+  _, pages, page_size, _, _ = g["pool_shape"]
+  assert not [s for t, s in g["gathered"] if t == "u8"], g
+  assert not [s for _, s in g["gathered"] if pages in s and page_size in s], g

@@ -263,14 +263,17 @@ class LlamaForCausalLM(nnx.Module):
     h = self._hidden(tokens_B[:, None].astype(jnp.int32), pos[:, None], slot_ids, attend)
     return self._logits(h, slot_ids)[:, 0], cache["k"], cache["v"]
 
-  def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False):
+  def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False,
+                    kv_sharding=None):
     """New tokens over a paged KV cache; see `bitdelta_jax.models.paged.PagedBatch`.
 
     Each new token's K/V is written to its (page, offset) first; then every row gathers its
     pages ``[P, page_size]`` and each query attends to the keys of its own sequence
     (``key_seq == query_seq``) at positions ``<=`` its own (and inside a sliding window).
     Returns f32 logits at ``batch.out_index`` (flat indices into ``[B*T]``) followed by those
-    at ``batch.score_index`` (``[N + M, V]``), and the pools.
+    at ``batch.score_index`` (``[N + M, V]``), and the pools. ``kv_sharding`` (on a mesh): the
+    sharding of the new K/V ``[B, T, kv, hd]`` the pools' layout needs before they are written
+    (without it XLA may split them by the projection's columns and gather whole pools to write).
     """
     ids = batch.tokens.astype(jnp.int32)
     b, t = ids.shape
@@ -287,6 +290,8 @@ class LlamaForCausalLM(nnx.Module):
 
     def attend(i, q, k, v):
       for name, new in (("k", k), ("v", v)):
+        if kv_sharding is not None:
+          new = jax.lax.with_sharding_constraint(new, kv_sharding)
         cache[name] = cache[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
       kg = cache["k"][i, batch.pages].reshape(b, -1, *k_pool.shape[3:])
       vg = cache["v"][i, batch.pages].reshape(b, -1, *v_pool.shape[3:])

@@ -12,6 +12,9 @@ On a mesh (`bitdelta_jax.sharding.make_mesh`):
 * **KV pages** ``[L, pages, page_size, kv_heads, head_dim]``: kv heads over ``model`` when they
   divide, else replicated. The page table is host data shared by all devices: every device
   holds the same pages, each only its own heads, so a step's writes and gathers stay local.
+  Each layer's new K/V are constrained to the pools' head layout before they are written: a
+  k/v projection split by columns that do not fall on head boundaries (4 kv heads over 8
+  devices) otherwise led XLA to gather whole pools onto every device to write them.
 * **step inputs and outputs** (`bitdelta_jax.models.paged_batch.PagedBatch`, `StepOutput`):
   replicated; every device sees the whole (small) batch and the sampled tokens.
 
@@ -21,6 +24,7 @@ The pages are donated to every step, so the cache is never copied.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -85,7 +89,12 @@ class MeshLayout:
     if self.mesh is None:
       return (jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2)),
               jax.jit(copy, donate_argnums=(0, 1)))
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     kv, rep = self.kv, self.replicated
+    heads = self.kv.spec[3]  # the new K/V [B, T, kv, hd] as the pools hold them
+    run = functools.partial(run, kv_sharding=NamedSharding(self.mesh, P(None, None, heads, None)))
     return (
       jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2),
               in_shardings=(self.params, kv, kv, rep), out_shardings=(kv, kv, rep)),

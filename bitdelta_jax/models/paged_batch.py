@@ -64,9 +64,11 @@ class StepOutput:
   score_top_logprobs: jax.Array  # f32 [M, TOP_LOGPROBS]
 
 
-def run_impl(graphdef, state, k_pool, v_pool, batch: PagedBatch, base_only: bool):
+def run_impl(graphdef, state, k_pool, v_pool, batch: PagedBatch, base_only: bool,
+             kv_sharding=None):
   model = nnx.merge(graphdef, state)
-  logits, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only)
+  logits, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
+                                               kv_sharding=kv_sharding)
   n = batch.out_index.shape[0]
   out_logits, score_logits = logits[:n], logits[n:]
   keys = row_keys(batch.keys, batch.key_pos)
