@@ -59,12 +59,12 @@ def main() -> None:
     for slot in (0, 1):
       gen.generate([[5] * n] * (1 + n % 5), slot_ids=slot, params=p)  # and new row buckets
   rows.append(("after the sweep", mappings(), gen.compiles))
-  base_maps = rows[0][1]
+  base_maps, cap = rows[0][1], limit()
   per = (rows[-1][1] - base_maps) / max(1, rows[-1][2] - rows[0][2])
-  rep = {"machine": machine.describe(), "max_map_count": limit(), "max_seq_len": args.max_seq_len,
+  rep = {"machine": machine.describe(), "max_map_count": cap, "max_seq_len": args.max_seq_len,
          "rows": [{"stage": s, "mappings": m, "programs": c} for s, m, c in rows],
          "mappings_per_program": round(per, 1),
-         "programs_to_the_limit": int((limit() - base_maps) / per) if per > 0 else None}
+         "programs_to_the_limit": int((cap - base_maps) / per) if per > 0 else None}
   OUT.mkdir(exist_ok=True)
   (OUT / "mappings.json").write_text(json.dumps(rep, indent=1))
   mc = rep["machine"]

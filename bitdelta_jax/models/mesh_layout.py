@@ -51,12 +51,18 @@ class MeshLayout:
     from jax.sharding import PartitionSpec as P
 
     from bitdelta_jax.sharding.mesh import MODEL
-    from bitdelta_jax.sharding.rules import PartitionRules, on_mesh, shard_model, shardings_of
+    from bitdelta_jax.sharding.rules import (
+      PartitionRules,
+      kv_heads_axis,
+      on_mesh,
+      shard_model,
+      shardings_of,
+    )
 
     if not on_mesh(model, mesh):
       shard_model(model, mesh, rules or PartitionRules())
-    m = int(dict(mesh.shape).get(MODEL, 1))
-    heads = MODEL if m > 1 and model.config.num_kv_heads % m == 0 else None
+    sizes = dict(mesh.shape)
+    heads = kv_heads_axis(model.config, sizes) if sizes.get(MODEL, 1) > 1 else None
     return cls(mesh, shardings_of(nnx.state(model)),
                NamedSharding(mesh, P(None, None, None, heads, None)), NamedSharding(mesh, P()))
 
