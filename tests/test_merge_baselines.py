@@ -110,6 +110,31 @@ def test_magnitude_mask_keeps_top_k():
   assert np.abs(d[m]).min() >= np.abs(d[~m]).max()
 
 
+def _stable_top_k_mask(d: np.ndarray, k: int) -> np.ndarray:
+  """numpy: the k largest |d|, ties at the threshold going to the lower flat index."""
+  order = np.argsort(-np.abs(d).ravel(), kind="stable")
+  m = np.zeros(d.size, bool)
+  m[order[:k]] = True
+  return m.reshape(d.shape)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (13, 17), (64, 33)])
+@pytest.mark.parametrize("levels", [0, 3, 40])
+def test_magnitude_mask_is_an_exact_top_k_with_ties_to_the_lower_index(shape, levels):
+  """Radix selection keeps exactly k entries, as a stable sort would, also when many entries
+  tie at the threshold (levels > 0 quantises |d| to a few values, as bf16 deltas do) and with
+  zeros and signed zeros among them."""
+  rng = np.random.default_rng(sum(shape) + levels)
+  d = rng.normal(size=shape).astype(np.float32)
+  if levels:
+    d = np.round(d * levels / 3) / levels
+  d.ravel()[:: 5] = -0.0
+  for density in (0.01, 0.3, 0.5, 0.77, 0.999):
+    k = max(1, int(density * d.size))
+    np.testing.assert_array_equal(np.asarray(M.magnitude_mask(d, density)),
+                                  _stable_top_k_mask(d, k), err_msg=f"density {density}")
+
+
 @pytest.mark.parametrize("density", [0.2, [0.5, 0.3, 0.9]])
 @pytest.mark.parametrize("consensus", ["sum", "count"])
 def test_ties(density, consensus):

@@ -17,6 +17,7 @@ sign of Σ u_i, ties go to +; "count": sign of Σ sign(u_i)). Sparsification and
 from __future__ import annotations
 
 import functools
+import operator
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -84,6 +85,15 @@ def _f32(x):
   return jnp.asarray(x, jnp.float32)
 
 
+def sum_models(x: jax.Array) -> jax.Array:
+  """Σ over the leading (model) axis as an unrolled chain of adds, x[0] + x[1] + ...
+
+  The number of models is small and static. XLA CPU runs a reduce over a leading axis of size 2
+  about 7x slower than the same adds written out (0.53 s against 0.075 s on a 49152x576 f32
+  embedding, bench/merge_speed_bench.py), and the adds keep mergekit's summation order."""
+  return functools.reduce(operator.add, [x[i] for i in range(x.shape[0])])
+
+
 # ---------------------------------------------------------------- consensus
 
 
@@ -92,7 +102,7 @@ def sign_mask(weighted: jax.Array, method: Consensus = "sum") -> jax.Array:
 
   Zeroed (trimmed) entries have sign 0 and never agree, which makes the mean disjoint."""
   sign = jnp.sign(weighted)
-  mass = weighted.sum(0) if method == "sum" else sign.sum(0)
+  mass = sum_models(weighted) if method == "sum" else sum_models(sign)
   majority = jnp.where(mass >= 0, 1.0, -1.0).astype(weighted.dtype)
   return sign == majority
 
@@ -105,7 +115,7 @@ def linear_tensor(tensors: jax.Array, weights: jax.Array, normalize: bool = True
   """Model soup. tensors ``[n, ...]``, weights ``[n]``: Σ w_i θ_i (/ Σ w_i when normalize)."""
   t = _f32(tensors)
   w = _f32(weights).reshape((-1,) + (1,) * (t.ndim - 1))
-  out = (t * w).sum(0)
+  out = sum_models(t * w)
   if normalize:
     div = w.sum()
     out = out / jnp.where(jnp.abs(div) < 1e-8, 1.0, div)
@@ -149,11 +159,11 @@ def task_arithmetic_family_tensor(
   weighted = deltas * w
   if consensus is not None:
     mask = sign_mask(weighted, consensus)
-    mixed = jnp.where(mask, weighted, 0).sum(0)
-    div = jnp.where(mask, w, 0).sum(0)
+    mixed = sum_models(jnp.where(mask, weighted, 0))
+    div = sum_models(jnp.where(mask, w, 0))
     div = jnp.where(div == 0, 1.0, div)
   else:
-    mixed = weighted.sum(0)
+    mixed = sum_models(weighted)
     div = jnp.broadcast_to(w.sum(0), mixed.shape)
     div = jnp.where(jnp.abs(div) < 1e-8, 1.0, div)
   if normalize:
