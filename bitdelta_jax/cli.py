@@ -53,7 +53,7 @@ def _print_pair_messages(m: dict) -> None:
 
 
 def cmd_compress(args) -> int:
-  from bitdelta_jax.delta.report import Report
+  from bitdelta_jax.delta.report import Report, describe_embeddings
   from bitdelta_jax.delta.stream import compress_checkpoints  # every mode (low rank delegated)
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
@@ -62,6 +62,8 @@ def cmd_compress(args) -> int:
   _print_pair_messages(m)
   if not args.quiet:
     print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
+    for line in describe_embeddings(m):
+      print(line)
     if m.get("mode", "bitdelta") != "bitdelta":
       print(f"mode {m['mode']}: serving needs lora_rank >= {m['lora_rank']} "
             f"(the server reads it from the manifest)")
@@ -80,7 +82,12 @@ def cmd_apply(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-  from bitdelta_jax.delta.report import Report, describe_policy, describe_scales
+  from bitdelta_jax.delta.report import (
+    Report,
+    describe_embeddings,
+    describe_policy,
+    describe_scales,
+  )
   from bitdelta_jax.delta.store import read_manifest
 
   m = read_manifest(args.delta)
@@ -100,6 +107,8 @@ def cmd_inspect(args) -> int:
   print(f"policy:         "
         f"{describe_policy(m['policy'], m.get('embeddings', 'exact'), names=list(m['tensors']))}")
   print(f"scales:         {describe_scales(m['scales'])}")
+  for line in describe_embeddings(m):
+    print(f"embeddings:     {line}")
   print("tensors:        " + ", ".join(f"{v} {k}" for k, v in sorted(kinds.items())))
   for w in m.get("warnings", []):
     print(f"warning:        {w}")
@@ -160,10 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--iters", type=int, default=2, metavar="N",
                  help="dqrelo: alternations between the low-rank part and the signs/α "
                  "(default: %(default)s)")
-  c.add_argument("--embeddings", choices=("exact", "1bit"), default="exact",
-                 help="changed embeddings / LM head: kept exactly, or 1-bit with one scale per "
-                      "token (1/16 of their bf16 bytes; --mode bitdelta only) "
-                      "(default: %(default)s)")
+  c.add_argument("--embeddings", choices=("auto", "exact", "1bit"), default="auto",
+                 help="changed embeddings / LM head: 1-bit with one scale per token (1/16 of "
+                      "their bf16 bytes; --mode bitdelta only), kept exactly, or auto: 1-bit "
+                      "when that reconstructs the fine-tuned matrix within 1%% "
+                      "(|W_ft - W_1bit| / |W_base|), else exact (default: %(default)s)")
   c.add_argument("--overwrite", action="store_true", help="replace --out if it is a delta")
   c.add_argument("--quiet", action="store_true",
                  help="print nothing but warnings and errors (no progress, no report)")

@@ -68,9 +68,58 @@ def test_one_bit_embeddings_apply_and_serve_from_packed_banks(pair):
   np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
+def _one_bit_error(base_w: np.ndarray, ft_w: np.ndarray) -> float:
+  """numpy: ‖W_ft − (W_base + α·sign Δ)‖ / ‖W_base‖ with one α = mean|Δ| per token (row)."""
+  d = ft_w.astype(np.float64) - base_w
+  alpha = np.abs(d).mean(axis=1, keepdims=True)
+  approx = base_w + alpha * np.where(d >= 0, 1.0, -1.0)
+  return float(np.linalg.norm(ft_w - approx) / np.linalg.norm(base_w))
+
+
+@pytest.mark.parametrize("move", [0.0, 0.0002, 0.05])
+def test_auto_embeddings_is_the_default_and_chooses_by_the_measured_error(tmp_path, move):
+  """Issue 22: with no flag, a fine-tune that moved its embeddings a little (as real fine-tunes
+  do: ‖Δ‖/‖W‖ ≈ 1e-3) gets 1-bit embeddings, bit for bit those of ``embeddings="1bit"``; one
+  that moved them a lot keeps them exactly, as ``"exact"`` does; unchanged ones stay "same"."""
+  from bitdelta_jax.delta.stream import AUTO_EMBEDDING_MAX_ERROR
+
+  base = {k: np.asarray(v, np.float32) for k, v in make_base(CFG, 0).items()}
+  ft = make_finetune(base, seed=3, rel=0.05)
+  rng = np.random.default_rng(5)
+  for n in EMB:
+    ft[n] = ft[n] + (move * rng.standard_normal(ft[n].shape)).astype(np.float32)
+  b = write_checkpoint(base, tmp_path / "base", CFG.hf_config())
+  f = write_checkpoint(ft, tmp_path / "ft", CFG.hf_config())
+  m = compress_checkpoints(b, f, tmp_path / "auto", progress=False)  # no embeddings argument
+  if move == 0.0:
+    assert m["embeddings"] == "exact" and m["embeddings_choice"] == {}
+    assert all(m["tensors"][n]["kind"] == "same" for n in EMB)
+    return
+  errs = {n: _one_bit_error(base[n], ft[n]) for n in EMB}
+  want = "1bit" if move < 0.001 else "exact"
+  assert all((e <= AUTO_EMBEDDING_MAX_ERROR) == (want == "1bit") for e in errs.values()), errs
+  ref = compress_checkpoints(b, f, tmp_path / want, embeddings=want, progress=False)
+  got, _ = load_delta(tmp_path / "auto")
+  exp, _ = load_delta(tmp_path / want)
+  assert m["embeddings"] == want
+  for n in EMB:
+    c = m["embeddings_choice"][n]
+    assert c["stored"] == want and c["chosen_by"] == "auto"
+    np.testing.assert_allclose(c["rel_error_1bit"], errs[n], rtol=1e-4)
+    assert m["tensors"][n]["kind"] == ref["tensors"][n]["kind"]
+    for field in ("bits", "scale", "value", "delta"):
+      if hasattr(exp[n], field):
+        np.testing.assert_array_equal(np.asarray(getattr(got[n], field)),
+                                      np.asarray(getattr(exp[n], field)))
+  from bitdelta_jax.delta.report import describe_embeddings
+
+  lines = describe_embeddings(m)
+  assert len(lines) == 2 and all(("1-bit" if want == "1bit" else "exact") in x for x in lines)
+
+
 def test_bad_embeddings_mode_is_refused(pair, tmp_path):
   root, *_ = pair
-  with pytest.raises(ValueError, match="embeddings must be 'exact' or '1bit'"):
+  with pytest.raises(ValueError, match="embeddings must be one of 'auto', 'exact', '1bit'"):
     compress_checkpoints(root / "base", root / "ft", tmp_path / "x", embeddings="2bit",
                          progress=False)
 

@@ -14,6 +14,7 @@ from bitdelta_jax.delta.format import (
   group_k_for,
   pack,
   packed_rows,
+  round_up,
   unpack_signs,
 )
 
@@ -105,17 +106,36 @@ def test_group_slices_unpack_locally():
     np.testing.assert_array_equal(plane, (d[128 + j * p:128 + (j + 1) * p] >= 0).astype(np.uint8))
 
 
+@pytest.mark.parametrize("k,group_k,want", [
+  (1, 128, 8), (100, 128, 104), (128, 128, 128), (576, 128, 64), (960, 128, 64),
+  (1536, 128, 128), (11008, 128, 128), (200, 128, 128), (136, 128, 128), (130, 128, 128),
+  (1000, 128, 128), (24 * 7, 24, 24), (96, 64, 32), (160, 64, 32),
+])
+def test_group_size_fits_k(k, group_k, want):
+  """Issue 22: the largest of group_k, /2, /4 that divides round_up(K, 8), so K is not padded
+  (SmolLM2's 576: 64-row groups, 576 bits per column, not 640); group_k when none does; one
+  group for K <= group_k. A fixed point, so an already chosen size can be passed on."""
+  g = group_k_for(k, group_k)
+  assert g == want
+  assert group_k_for(k, g) == g
+  brute = min((round_up(k, c) for c in (group_k, group_k // 2, group_k // 4)
+               if c > 0 and c % 8 == 0), default=None)
+  if k > group_k and round_up(k, 8) % g == 0:
+    assert round_up(k, g) == round_up(k, 8) == brute  # no padding beyond the 8-row rounding
+  assert packed_rows(k, g) * 8 == round_up(k, g)
+
+
 def test_packed_delta_is_a_pytree_and_validates():
   d = np.random.default_rng(2).standard_normal((40, 5)).astype(np.float32)
-  pd = pack(d, "column", 16)
+  pd = pack(d, "column", 16)  # 16 does not divide 40, 8 does: the group size fitted to K
   leaves, tree = jax.tree.flatten(pd)
   assert len(leaves) == 2
   again = jax.tree.unflatten(tree, leaves)
-  assert again.shape == (40, 5) and again.group_k == 16
+  assert again.shape == (40, 5) and again.group_k == 8 and pd.bits.shape == (5, 5)
   out = jax.jit(lambda p: dense_delta(p))(pd)
   np.testing.assert_allclose(out, np.where(d >= 0, 1, -1) * pd.scale, rtol=1e-6)
   with pytest.raises(ValueError, match="trailing shape"):
-    PackedDelta(bits=np.zeros((3, 5), np.uint8), scale=pd.scale, shape=(40, 5), group_k=16)
+    PackedDelta(bits=np.zeros((3, 5), np.uint8), scale=pd.scale, shape=(40, 5), group_k=8)
   with pytest.raises(ValueError, match="granularity"):
     pack(d, "row")
   with pytest.raises(ValueError, match="multiple of 8"):

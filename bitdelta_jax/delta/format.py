@@ -36,12 +36,26 @@ def round_up(x: int, m: int) -> int:
 def group_k_for(k: int, group_k: int = DEFAULT_GROUP_K) -> int:
   """The group size actually used for a contracting dimension of size ``k``.
 
-  Small matrices (``k < group_k``) use one group of ``round_up(k, 8)`` rows, so a tiny
-  model does not pay for padding up to ``group_k``.
+  * ``k <= group_k``: one group of ``round_up(k, 8)`` rows, so a tiny model does not pay for
+    padding up to ``group_k``.
+  * otherwise the largest of ``group_k``, ``group_k / 2``, ``group_k / 4`` (multiples of 8)
+    that divides ``round_up(k, 8)``, so K needs no padding: SmolLM2's K = 576 uses 64-row
+    groups (576 packed bits per column, not 640 with 128-row groups: 10% fewer bytes);
+  * ``group_k`` itself when none does.
+
+  The choice is a fixed point (``group_k_for(k, group_k_for(k, g)) == group_k_for(k, g)``), so a
+  group size already chosen can be passed on as ``group_k`` again. Every `PackedDelta` records
+  its own ``group_k``; a delta packed with another group size is re-packed when it is loaded.
   """
   if group_k <= 0 or group_k % 8:
     raise ValueError(f"group_k must be a positive multiple of 8, got {group_k}")
-  return min(group_k, round_up(k, 8))
+  k8 = round_up(k, 8)
+  if k8 <= group_k:
+    return k8
+  for g in (group_k, group_k // 2, group_k // 4):
+    if g > 0 and g % 8 == 0 and k8 % g == 0:
+      return g
+  return group_k
 
 
 def packed_rows(k: int, group_k: int) -> int:

@@ -156,6 +156,25 @@ def describe_policy(policy: dict, embeddings: str = "exact", names=None) -> str:
   return text
 
 
+def describe_embeddings(manifest: dict) -> list[str]:
+  """One line per changed embedding / LM head: how it is stored and why (``embeddings``
+  auto), from the manifest's ``embeddings_choice``."""
+  out = []
+  for name, c in sorted(manifest.get("embeddings_choice", {}).items()):
+    err = c.get("rel_error_1bit")
+    how = "1-bit, one α per token" if c["stored"] == "1bit" else "exact"
+    if c.get("chosen_by") == "auto":
+      limit = c.get("limit", 0.01)
+      why = (f"auto: 1-bit reconstructs it within {err:.2%} of |W| (limit {limit:.0%})"
+             if c["stored"] == "1bit" else
+             f"auto: 1-bit would err {err:.2%} of |W|, over the {limit:.0%} limit")
+    else:
+      why = f"--embeddings {c.get('chosen_by')}" + (f"; 1-bit error {err:.2%} of |W|"
+                                                   if err is not None else "")
+    out.append(f"{name}: {how} ({why})")
+  return out
+
+
 def describe_scales(scales: dict) -> str:
   """How a manifest's α were obtained, in words."""
   if scales.get("method") == "distilled":

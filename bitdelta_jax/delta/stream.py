@@ -47,6 +47,14 @@ from bitdelta_jax.delta.store import (
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
 CHUNK_BYTES = 32 << 20
+EMBEDDINGS_MODES = ("auto", "exact", "1bit")
+# ``embeddings="auto"`` stores a changed embedding / LM head 1-bit (one α per token) when that
+# reconstructs the fine-tuned matrix within this relative error, ‖W_ft − Ŵ_ft‖ / ‖W_base‖.
+# Measured: the real SmolLM2 fine-tunes that trained their embeddings (bench/results/
+# fidelity_real.md: ‖Δ‖/‖W‖ = 1.15e-3, 1-bit error 38% of ‖Δ‖) sit at 4.3e-4 and keep fidelity
+# 1-bit; their linear layers, always 1-bit, at ~9e-4. The built-in nano family (‖Δ‖/‖W‖
+# 0.11-0.22) would sit at 6-12% and stays exact.
+AUTO_EMBEDDING_MAX_ERROR = 0.01
 # Config fields that must agree between a base and a fine-tune (vocab_size may grow).
 _ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "num_hidden_layers",
                 "num_attention_heads", "num_key_value_heads", "intermediate_size", "head_dim")
@@ -88,7 +96,10 @@ def _sample_norm_ratio(b: np.ndarray, f: np.ndarray) -> float:
 
 
 def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, policy, base_crc,
-                            norm_ratios: dict | None = None):
+                            norm_ratios: dict | None = None, stats: dict | None = None):
+  """Packs one linear (or, by column, vocabulary) matrix block by block. ``stats`` (a dict)
+  receives ``base_sq`` = Σ W_base² (read in the same pass) and ``err_sq`` = ‖Δ − α·sign(Δ)‖²:
+  what the embeddings' ``auto`` choice weighs."""
   info = ft.info(name)
   n, k = info.shape
   g = group_k_for(k, policy.group_k)
@@ -108,6 +119,13 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
 
   bufs = [(_buffer(base.info(name), r), _buffer(info, r)) for _ in range(2)]
   first = (base.read_rows(name, 0, r, bufs[0][0]), ft.read_rows(name, 0, r, bufs[0][1]))
+  wsq = 0.0
+
+  def norm(b):
+    nonlocal wsq
+    if stats is not None:
+      b32 = b.astype(np.float32, copy=False)
+      wsq += float(np.einsum("ij,ij->", b32, b32, dtype=np.float64))
   if norm_ratios is not None:
     norm_ratios[name] = _sample_norm_ratio(*first)
   if pack_native.unavailable_reason(*first) is None:
@@ -128,6 +146,7 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
         if i + 1 < len(blocks):
           nxt = pool.submit(read, i + 1, blocks[i + 1])
         b, f = cur
+        norm(b)
         cb, ca, cs, cc = pack_native.pack_rows(b, f, g)
         rows = b.shape[0]
         bits[:, r0:r0 + rows] = cb.T
@@ -141,6 +160,7 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
     for r0 in range(0, n, r):
       b, f = first if r0 == 0 else (base.read_rows(name, r0, r0 + r), ft.read_rows(name, r0, r0 + r))
       base_crc.update(b)
+      norm(b)
       rows = b.shape[0]
       if rows < r:  # pad the last block so every block compiles to one shape
         pad = ((0, r - rows), (0, 0))
@@ -152,6 +172,8 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
     if pending is not None:
       changed |= collect(*pending)
   before = info.nbytes
+  if stats is not None:
+    stats["base_sq"] = wsq
   if not changed:
     return Dense("same"), TensorReport(name, "same", info.shape, info.dtype.name, before, 0, 0.0)
   if policy.granularity == "matrix":
@@ -162,8 +184,15 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
     err2 = float(np.sum(sq_sum - abs_sum**2 / k))
   total = sq_sum.sum()
   rel = math.sqrt(max(err2, 0.0) / total) if total > 0 else 0.0
+  if stats is not None:
+    stats["err_sq"] = max(float(err2), 0.0)
   pd = PackedDelta(bits=bits, scale=scale, shape=(k, n), group_k=g, granularity=policy.granularity)
   return pd, TensorReport(name, "packed", info.shape, info.dtype.name, before, pd.nbytes, rel)
+
+
+def stored_embeddings(choices: dict) -> str:
+  """The manifest's ``embeddings``: "1bit" when any vocabulary matrix is stored 1-bit."""
+  return "1bit" if any(c["stored"] == "1bit" for c in choices.values()) else "exact"
 
 
 def _buffer(info, rows: int) -> np.ndarray:
@@ -260,19 +289,24 @@ def pair_warnings(norm_ratios: dict[str, float], grown_rows: dict[str, tuple[int
 
 def compress_checkpoints(
   base_dir, ft_dir, out_dir, policy: CompressPolicy = CompressPolicy(), *, overwrite: bool = False,
-  progress: bool = True, extra: dict | None = None, embeddings: str = "exact",
+  progress: bool = True, extra: dict | None = None, embeddings: str = "auto",
 ) -> dict:
   """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest.
 
   ``embeddings``: ``"exact"`` keeps changed embeddings / LM head as they are (f32 ``ft − base``,
   or the value); ``"1bit"`` stores them like linear weights, 1 bit per weight with one α per
   token (a `PackedDelta` in the ``[hidden, vocab]`` orientation), 1/16 of their bf16 bytes;
-  served from packed slot banks (``ModelConfig.packed_embedding_slots``). Added tokens' rows
-  of a grown vocabulary are always kept exactly."""
-  if embeddings not in ("exact", "1bit"):
-    raise ValueError(f"embeddings must be 'exact' or '1bit', got {embeddings!r}")
+  served from packed slot banks (``ModelConfig.packed_embedding_slots``); ``"auto"`` (the
+  default) stores each changed one 1-bit when that reconstructs the fine-tuned matrix within
+  `AUTO_EMBEDDING_MAX_ERROR` (‖W_ft − (W_base + α·sign Δ)‖ / ‖W_base‖), exactly otherwise, and
+  exactly in the low-rank modes. The manifest's ``embeddings`` is what was done ("1bit" when
+  any vocabulary matrix is 1-bit), ``embeddings_choice`` says per tensor which and why.
+  Added tokens' rows of a grown vocabulary are always kept exactly."""
+  if embeddings not in EMBEDDINGS_MODES:
+    raise ValueError(f"embeddings must be one of {', '.join(map(repr, EMBEDDINGS_MODES))}, "
+                     f"got {embeddings!r}")
   if policy.mode != "bitdelta":  # low-rank modes read whole matrices: their own streamer
-    if embeddings != "exact":
+    if embeddings == "1bit":
       raise ValueError(f"embeddings={embeddings!r} is implemented for mode 'bitdelta' only")
     from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
 
@@ -281,7 +315,7 @@ def compress_checkpoints(
   column = dataclasses.replace(policy, granularity="column")
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
-    lines, fp, norm_ratios = [], {}, {}
+    lines, fp, norm_ratios, choices = [], {}, {}, {}
     with DeltaWriter(out_dir, overwrite=overwrite) as w:
       names = ft.names()
       with tqdm(names, desc="compress", unit="tensor", disable=not progress) as bar:
@@ -294,9 +328,22 @@ def compress_checkpoints(
                                 entry.nbytes, 0.0, note="not in base")
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
             entry, line = _compress_linear_stream(name, base, ft, policy, crc, norm_ratios)
-          elif (embeddings == "1bit" and policy.is_vocab(name) and len(info.shape) == 2
+          elif (embeddings != "exact" and policy.is_vocab(name) and len(info.shape) == 2
                 and base.info(name).shape == info.shape):
-            entry, line = _compress_linear_stream(name, base, ft, column, crc)
+            stats: dict = {}
+            entry, line = _compress_linear_stream(name, base, ft, column, crc, stats=stats)
+            if isinstance(entry, PackedDelta):
+              err = math.sqrt(stats["err_sq"] / stats["base_sq"]) if stats["base_sq"] else math.inf
+              one_bit = embeddings == "1bit" or err <= AUTO_EMBEDDING_MAX_ERROR
+              choices[name] = {"stored": "1bit" if one_bit else "exact",
+                               "chosen_by": embeddings, "rel_error_1bit": err,
+                               "limit": AUTO_EMBEDDING_MAX_ERROR}
+              if not one_bit:  # the exact branch's entry; the base was read (and summed) once
+                entry = (Dense("value", ft.read(name)) if policy.dense == "value" else
+                         compress_tensor(name, base.read(name), ft.read(name), policy,
+                                         hf_layout=True)[0])
+                line = TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
+                                    entry.nbytes, 0.0, note=f"auto: 1-bit would err {err:.2%}")
           elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
             # One streamed pass compares and checksums the base; a changed tensor kept as its
             # value needs no second read of the base.
@@ -332,7 +379,8 @@ def compress_checkpoints(
       return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
                       extra={"source": src, "finetuned_config": cfg, "warnings": warnings,
                              "notes": notes, "tokenizer": TOKENIZER_DIR if tok else None,
-                             "embeddings": embeddings,
+                             "embeddings": stored_embeddings(choices),
+                             "embeddings_choice": choices,
                              **(extra or {})})
 
 
