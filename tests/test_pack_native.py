@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from bitdelta_jax.delta import pack_native
-from bitdelta_jax.delta.format import pack
+from bitdelta_jax.delta.format import group_k_for, pack
 from bitdelta_jax.delta.stream import _linear_chunk
 
 
@@ -22,6 +22,7 @@ def test_native_matches_xla_and_numpy(rows, k, group_k, dt):
     b, f = b.astype(ml_dtypes.bfloat16), f.astype(ml_dtypes.bfloat16)
   elif dt == "mixed":
     b = b.astype(ml_dtypes.bfloat16)
+  group_k = group_k_for(k, group_k)  # as the streamer passes it: the size fitted to K
   bits, a, s, changed = pack_native.pack_rows(b, f, group_k)
   xb, xa, xs, xc = (np.asarray(v) for v in _linear_chunk(b, f, group_k=group_k))
   np.testing.assert_array_equal(bits.T, xb)
