@@ -149,7 +149,8 @@ def describe_policy(policy: dict, embeddings: str = "exact", names=None) -> str:
   head = (f"1-bit sign(Δ) of linear layers with {gran}" if mode == "bitdelta" else
           f"linear layers in mode {mode} (budget {policy.get('budget')}, rank "
           f"{policy.get('rank')}; 1-bit part with {gran})")
-  text = (f"{head}, bit-plane groups of {policy.get('group_k')} rows; other changed tensors "
+  text = (f"{head}, bit-plane groups of up to {policy.get('group_k')} rows (fitted to each "
+          f"matrix's K); other changed tensors "
           f"({kept}) kept exactly, {dense}")
   if embeddings == "1bit":
     text += "; changed embeddings / LM head 1-bit with one α per token"
