@@ -4,7 +4,9 @@ Why: on CPU a naive unpack-then-dot materialises a ``[K, N]`` f32 sign matrix pe
 costs ~11x the base GEMV at batch 1. The kernel in ``cpu_kernel.cc`` never expands the bits
 to memory: it uses ``x·S = 2·x·B − rowsum(x)`` and sums ``B``'s rows through lookups in
 from two 16-entry tables per 8 rows of K (T-MAC style: ``vpermps`` looks up a nibble of packed
-bits for 16 columns at once; a portable loop elsewhere). Rows are grouped by slot so each
+bits for 16 columns at once with AVX-512; with AVX2 only, two 8-entry ``vpermps`` and a blend
+for 8 columns, 1.4-1.7x faster variant decode steps than the portable loop on an AVX2-only AMD
+EPYC, bench/results/variant_step.md; a portable loop elsewhere). Rows are grouped by slot so each
 slot's delta is read once per block of 4 rows.
 
 Numerics: delta term accumulated in f32 from f32 x, α applied in the epilogue; the base
