@@ -63,7 +63,7 @@ def worker(steps: int) -> dict:
       for s in seqs:
         gen.finish(s)
     long = [(11 * i + 5) % 40000 + 100 for i in range(128)]
-    for i in range(3):  # the first compiles
+    for _ in range(3):  # the first compiles
       s = gen.add(long, slot, greedy)
       t = time.perf_counter()
       gen.step()

@@ -164,7 +164,9 @@ def describe_embeddings(manifest: dict) -> list[str]:
   for name, c in sorted(manifest.get("embeddings_choice", {}).items()):
     err = c.get("rel_error_1bit")
     how = "1-bit, one α per token" if c["stored"] == "1bit" else "exact"
-    if c.get("chosen_by") == "auto":
+    if err is None:
+      why = f"{c.get('chosen_by')}: the base matrix is zero, so no relative error"
+    elif c.get("chosen_by") == "auto":
       limit = c.get("limit", 0.01)
       why = (f"auto: 1-bit reconstructs it within {err:.2%} of |W| (limit {limit:.0%})"
              if c["stored"] == "1bit" else

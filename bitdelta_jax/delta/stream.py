@@ -333,8 +333,9 @@ def compress_checkpoints(
             stats: dict = {}
             entry, line = _compress_linear_stream(name, base, ft, column, crc, stats=stats)
             if isinstance(entry, PackedDelta):
-              err = math.sqrt(stats["err_sq"] / stats["base_sq"]) if stats["base_sq"] else math.inf
-              one_bit = embeddings == "1bit" or err <= AUTO_EMBEDDING_MAX_ERROR
+              # relative to a zero base matrix the error is undefined (None): kept exactly
+              err = math.sqrt(stats["err_sq"] / stats["base_sq"]) if stats["base_sq"] else None
+              one_bit = embeddings == "1bit" or (err is not None and err <= AUTO_EMBEDDING_MAX_ERROR)
               choices[name] = {"stored": "1bit" if one_bit else "exact",
                                "chosen_by": embeddings, "rel_error_1bit": err,
                                "limit": AUTO_EMBEDDING_MAX_ERROR}
@@ -343,7 +344,8 @@ def compress_checkpoints(
                          compress_tensor(name, base.read(name), ft.read(name), policy,
                                          hf_layout=True)[0])
                 line = TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
-                                    entry.nbytes, 0.0, note=f"auto: 1-bit would err {err:.2%}")
+                                    entry.nbytes, 0.0, note="auto: 1-bit would err "
+                                    + ("(zero base)" if err is None else f"{err:.2%}"))
           elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
             # One streamed pass compares and checksums the base; a changed tensor kept as its
             # value needs no second read of the base.
