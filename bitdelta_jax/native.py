@@ -24,34 +24,38 @@ def cache_dir() -> pathlib.Path:
   return pathlib.Path(root)
 
 
-def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, native: bool,
+def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, arch: tuple[str, ...],
              include_dirs: tuple[str, ...]) -> None:
-  cmd = [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
+  cmd = [cxx, *arch, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
          *(f"-I{d}" for d in include_dirs), str(src), "-o", str(out)]
-  if native:
-    cmd.insert(1, "-march=native")
   subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
 
 
 def build(source: pathlib.Path, name: str, *, include_dirs: tuple[str, ...] = (),
-          key_extra: bytes = b"") -> tuple[ctypes.CDLL | None, str | None]:
-  """(the loaded library, None), or (None, why it cannot be built here)."""
+          key_extra: bytes = b"", arch: tuple[str, ...] | None = None
+          ) -> tuple[ctypes.CDLL | None, str | None]:
+  """(the loaded library, None), or (None, why it cannot be built here).
+
+  ``arch``: the target flags, e.g. ``("-march=native", "-mno-avx512f")`` to build a kernel's
+  AVX2 path on an AVX-512 machine (tests); None tries ``-march=native``, then none."""
   if platform.system() != "Linux":
     return None, f"native helpers are only built on Linux, not {platform.system()}"
   cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
   if cxx is None:
     return None, "no C++ compiler (g++/c++ or $CXX) found"
+  archs = [("-march=native",), ()] if arch is None else [tuple(arch)]
   key = hashlib.sha256(source.read_bytes() + cxx.encode() + key_extra
-                       + platform.machine().encode()).hexdigest()[:16]
+                       + platform.machine().encode()
+                       + (b"" if arch is None else b"arch:" + " ".join(arch).encode())).hexdigest()[:16]
   lib_path = cache_dir() / f"{name}_{key}.so"
   if not lib_path.exists():
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
       tmp_lib = pathlib.Path(tmp) / lib_path.name
       errors = []
-      for native in (True, False):
+      for flags in archs:
         try:
-          _compile(cxx, source, tmp_lib, native, include_dirs)
+          _compile(cxx, source, tmp_lib, flags, include_dirs)
           break
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as e:
           errors.append(getattr(e, "stderr", None) or str(e))

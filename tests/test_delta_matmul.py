@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bitdelta_jax.delta.format import PackedDelta, dense_delta, pack
+from bitdelta_jax.delta.format import PackedDelta, dense_delta, pack, unpack_signs
 from pallas_kernels.delta_matmul import api, cpu, delta_matmul, delta_matmul_reference
 
 # (rtol, atol) per dtype. f32: kernels sum over K in another order than the reference (tables,
@@ -142,6 +142,49 @@ class TestCpu(DeltaMatmulSuite):
     x, w, bits, scale, slots = make_case(3, 200, 72, jnp.float32, "matrix", True)
     got = self.call(x, w, bits, scale, jnp.asarray([0, 99, -4], jnp.int32))
     np.testing.assert_allclose(_f32(got), _f32(x) @ _f32(w), rtol=2e-5, atol=2e-4)
+
+
+def _cpu_has(flag: str) -> bool:
+  try:
+    return flag in open("/proc/cpuinfo").read().split()
+  except OSError:
+    return False
+
+
+# (target flags, the tile that build must run): the AVX2 tile also on AVX-512 machines, and the
+# portable loop, so every path is tested wherever the suite runs (CI's CPU may take only one).
+_ISA_BUILDS = [(("-march=native", "-mno-avx512f"), 2, "avx2"), ((), 0, "portable")]
+
+
+@pytest.mark.skipif(cpu.unavailable_reason() is not None, reason=str(cpu.unavailable_reason()))
+@pytest.mark.parametrize("arch,tile,label", _ISA_BUILDS, ids=[b[2] for b in _ISA_BUILDS])
+def test_every_cpu_tile_matches_numpy(arch, tile, label):
+  """The C++ kernel's AVX2 tile and portable loop (the native build takes only one path per
+  machine: AVX-512 where present) against a float64 numpy delta term: row counts 1-9 (blocks
+  of 4 rows and remainders), N with 16-column chunks and remainders, both scale layouts,
+  base-only and out-of-range slots."""
+  if label == "avx2" and not (_cpu_has("avx2") and _cpu_has("fma")):
+    pytest.skip("this CPU has no AVX2/FMA")
+  target = f"bitdelta_delta_matmul_test_{label}"
+  assert cpu.build_target(arch, target) == tile
+  rng = np.random.default_rng(7)
+  for m, k, n, gran in [(1, 576, 1536, "column"), (3, 200, 72, "matrix"), (5, 136, 40, "column"),
+                        (9, 300, 130, "column"), (4, 64, 16, "matrix"), (2, 96, 7, "column")]:
+    packs = [pack(rng.standard_normal((k, n)).astype(np.float32), gran) for _ in range(3)]
+    bits = np.stack([q.bits for q in packs])
+    scale = np.stack([q.scale for q in packs]).astype(np.float32)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    slots = rng.integers(-1, 4, size=m).astype(np.int32)  # -1 and 3: base only
+    got = np.asarray(cpu.fused_call(jnp.asarray(x), jnp.asarray(bits), jnp.asarray(scale),
+                                    jnp.asarray(slots), jnp.asarray(base),
+                                    group_k=packs[0].group_k, target=target))
+    want = base.astype(np.float64).copy()
+    for i, s in enumerate(slots):
+      if 0 <= s < 3:
+        signs = unpack_signs(packs[s].bits, (k, n), packs[s].group_k, np.float64)
+        want[i] += np.asarray(packs[s].scale, np.float64) * (x[i].astype(np.float64) @ signs)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3, err_msg=f"{label} {m}x{k}x{n}")
 
 
 class TestPallasTritonInterpret(DeltaMatmulSuite):

@@ -46,6 +46,25 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
   return lib, None
 
 
+def isa() -> int | None:
+  """The tile the native build runs: 512 (AVX-512), 2 (AVX2), 0 (portable); None if unbuilt."""
+  lib, _ = _load()
+  return None if lib is None else int(lib.BitdeltaDeltaMatmulIsa())
+
+
+def build_target(arch: tuple[str, ...], target: str) -> int:
+  """Builds the kernel with target flags ``arch`` (e.g. ``("-march=native", "-mno-avx512f")``
+  for the AVX2 tile on an AVX-512 machine, ``()`` for the portable loop) and registers it as
+  FFI target ``target`` (pass it to `fused_call`); returns the tile it runs. For tests of the
+  paths this machine's native build does not take."""
+  lib, reason = native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
+                             key_extra=jax.__version__.encode(), arch=arch)
+  if lib is None:
+    raise RuntimeError(f"the CPU delta kernel cannot be built with {arch}: {reason}")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
+  return int(lib.BitdeltaDeltaMatmulIsa())
+
+
 def unavailable_reason() -> str | None:
   """None if the C++ kernel can run here, else why not."""
   if jax.default_backend() != "cpu":
@@ -67,10 +86,11 @@ def shapes_supported(x_shape, w_shape, bits_shape, scale_shape, group_k: int) ->
   return None
 
 
-def fused_call(x, bits, scale, slots, base, *, group_k: int) -> jax.Array:
-  """``base + α ⊙ (x·S)`` per row, f32 ``[M, N]``; bits ``[S, R, N]``; slots ``[M]`` (<0: base)."""
+def fused_call(x, bits, scale, slots, base, *, group_k: int, target: str = _TARGET) -> jax.Array:
+  """``base + α ⊙ (x·S)`` per row, f32 ``[M, N]``; bits ``[S, R, N]``; slots ``[M]`` (<0: base).
+  ``target``: another build of the kernel (`build_target`)."""
   call = jax.ffi.ffi_call(
-    _TARGET,
+    target,
     jax.ShapeDtypeStruct(base.shape, jnp.float32),
     vmap_method="sequential",
     input_output_aliases={4: 0},

@@ -286,6 +286,17 @@ ffi::Error DeltaMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> bits,
 
 }  // namespace
 
+// Which tile this build runs: 512 (AVX-512), 2 (AVX2), 0 (portable loop).
+extern "C" int BitdeltaDeltaMatmulIsa() {
+#if defined(BD_AVX512)
+  return 512;
+#elif defined(BD_AVX2)
+  return 2;
+#else
+  return 0;
+#endif
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaMatmul, DeltaMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
