@@ -6,10 +6,16 @@ import platform
 
 def describe() -> dict:
   cpu = "unknown"
+  flags: list[str] = []
   try:
     for line in open("/proc/cpuinfo"):
-      if line.startswith("model name"):
+      if line.startswith("model name") and cpu == "unknown":
         cpu = line.split(":", 1)[1].strip()
+      elif line.startswith("flags") and not flags:
+        # the vector extensions the CPU kernels choose by (machines of one name differ)
+        have = set(line.split(":", 1)[1].split())
+        flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in have]
+      if cpu != "unknown" and flags:
         break
   except OSError:
     pass
@@ -20,7 +26,7 @@ def describe() -> dict:
         mem = round(int(line.split()[1]) / 1024 / 1024, 1)
   except OSError:
     pass
-  out = {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
+  out = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
          "platform": platform.platform()}
   try:
     import jax
