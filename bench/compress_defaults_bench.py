@@ -20,7 +20,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -28,22 +27,18 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402
-from merge_speed_bench import ROOT, run  # noqa: E402
+from checkouts import ROOT, checkouts, copy_side_files, run_cli  # noqa: E402
 
 OUT = ROOT / "bench" / "results"
 FAMILY = ROOT / "bitdelta_jax" / "zoo" / "shipped_real" / "family.json"
 
 
 def make_finetune(base: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
-  import shutil
-
   from safetensors.numpy import load_file, save_file
 
   ratios = json.loads(FAMILY.read_text())["variants"]["smol-math"]["norm_ratios"]
   dst.mkdir(parents=True, exist_ok=True)
-  for f in base.iterdir():
-    if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".bitdelta"):
-      shutil.copy2(f, dst / f.name)
+  copy_side_files(base, dst)
   rng = np.random.default_rng(0)
   for f in base.glob("*.safetensors"):
     out = {}
@@ -75,32 +70,22 @@ def main() -> None:
   with tempfile.TemporaryDirectory(prefix="compress_defaults_") as tmp:
     work = pathlib.Path(tmp)
     ft = make_finetune(base, work / "ft")
-    srcs = {"now": ROOT}
-    if args.before:
-      wt = work / "before"
-      subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt),
-                      args.before], check=True, capture_output=True)
-      srcs["before"] = wt
     flags = {"default flags": [], "--embeddings 1bit": ["--embeddings", "1bit"]}
     res: dict = {}
-    try:
+    with checkouts(args.before, work) as srcs:
       for r in range(args.rounds):
         for label, extra in flags.items():
           for src_label, src in srcs.items():
             out = work / f"d_{src_label}_{len(extra)}"
             argv = ["compress", "--base", str(base), "--finetuned", str(ft), "--out", str(out),
                     "--overwrite", "--quiet", *extra]
-            wall, rss = run(src, argv)
+            wall, rss = run_cli(src, argv)
             m = json.loads((out / "manifest.json").read_text())
             emb = m["tensors"]["model.embed_tokens.weight"]["kind"]
             res.setdefault(label, {}).setdefault(src_label, []).append(
               {"wall_s": wall, "rss_gib": rss, "bytes": dir_bytes(out), "embed": emb})
             print(f"round {r} {label} [{src_label}]: {wall:.1f} s, {dir_bytes(out) / 1e6:.2f} MB, "
                   f"embeddings {emb}", flush=True)
-    finally:
-      if "before" in srcs:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                        str(srcs["before"])], capture_output=True)
   summary = {label: {s: {"wall_s": round(statistics.median(x["wall_s"] for x in xs), 2),
                          "bytes": xs[-1]["bytes"], "x_smaller_than_bf16": round(bf16 / xs[-1]["bytes"], 2),
                          "embeddings": xs[-1]["embed"]}

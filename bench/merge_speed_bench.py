@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 
@@ -28,8 +25,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402
+from checkouts import ROOT, checkouts, copy_side_files, run_cli  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 OUT = ROOT / "bench" / "results"
 
 
@@ -40,9 +37,7 @@ def make_finetunes(base: pathlib.Path, work: pathlib.Path) -> list[pathlib.Path]
   for i in range(2):
     dst = work / f"ft{i}"
     dst.mkdir(parents=True, exist_ok=True)
-    for f in base.iterdir():
-      if f.is_file() and f.suffix != ".safetensors" and not f.name.startswith(".bitdelta"):
-        shutil.copy2(f, dst / f.name)
+    copy_side_files(base, dst)
     rng = np.random.default_rng(i)
     for f in base.glob("*.safetensors"):
       ts = load_file(f)
@@ -65,18 +60,6 @@ def jobs(base, fts, work):
   }
 
 
-def run(src: pathlib.Path, argv: list[str]) -> tuple[float, float]:
-  """(wall seconds, peak RSS GiB) of `python -m bitdelta_jax.cli ARGV` importing from src."""
-  env = dict(os.environ, PYTHONPATH=str(src), JAX_PLATFORMS="cpu")
-  cmd = ["/usr/bin/time", "-f", "TIME %e %M", sys.executable, "-m", "bitdelta_jax.cli", *argv]
-  p = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(src))
-  line = [x for x in p.stderr.splitlines() if x.startswith("TIME ")]
-  if p.returncode != 0 or not line:
-    raise SystemExit(f"{' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-2000:]}")
-  _, wall, kb = line[-1].split()
-  return float(wall), int(kb) / 2**20
-
-
 def main() -> None:
   ap = argparse.ArgumentParser()
   ap.add_argument("--rounds", type=int, default=3)
@@ -88,24 +71,14 @@ def main() -> None:
   with tempfile.TemporaryDirectory(prefix="merge_speed_") as tmp:
     work = pathlib.Path(tmp)
     fts = make_finetunes(base, work)
-    srcs = {"now": ROOT}
-    if args.before:
-      wt = work / "before"
-      subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt),
-                      args.before], check=True, capture_output=True)
-      srcs["before"] = wt
-    try:
+    with checkouts(args.before, work) as srcs:
       res: dict = {}
       for r in range(args.rounds):
         for name, argv in jobs(base, fts, work).items():
           for label, src in srcs.items():
-            wall, rss = run(src, argv)
+            wall, rss = run_cli(src, argv)
             res.setdefault(name, {}).setdefault(label, []).append((wall, rss))
             print(f"round {r} {name} [{label}]: {wall:.1f} s, {rss:.2f} GiB", flush=True)
-    finally:
-      if "before" in srcs:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                        str(srcs["before"])], capture_output=True)
   summary = {}
   for name, by in res.items():
     summary[name] = {label: {"wall_s": round(statistics.median(w for w, _ in xs), 2),

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
@@ -83,18 +81,13 @@ def main() -> None:
     print("RESULT " + json.dumps(worker(args.steps)), flush=True)
     return
   import machine
+  from checkouts import run_worker
 
   runs: dict = {"onednn": [], "default": []}
   for p in range(args.pairs):
     for label in ("onednn", "default"):
-      env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-      env["XLA_FLAGS"] = FLAG if label == "onednn" else ""
-      r = subprocess.run([sys.executable, __file__, "--worker", "--steps", str(args.steps)],
-                         env=env, capture_output=True, text=True)
-      line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-      if r.returncode or not line:
-        raise SystemExit(f"{label} run failed:\n{r.stderr[-3000:]}")
-      res = json.loads(line[0][7:])
+      res = run_worker(pathlib.Path(__file__), ROOT, ["--steps", str(args.steps)],
+                       {"XLA_FLAGS": FLAG if label == "onednn" else ""})
       runs[label].append(res)
       print(f"pair {p} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res["times"].items()),
             flush=True)

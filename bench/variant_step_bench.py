@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,33 +72,17 @@ def main() -> None:
     print("RESULT " + json.dumps(worker(args.steps)), flush=True)
     return
   import machine
+  from checkouts import checkouts, run_worker
 
-  with tempfile.TemporaryDirectory(prefix="variant_step_") as tmp:
-    srcs = {"now": ROOT}
-    if args.before:
-      wt = pathlib.Path(tmp) / "before"
-      subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(wt),
-                      args.before], check=True, capture_output=True)
-      srcs["before"] = wt
+  with tempfile.TemporaryDirectory(prefix="variant_step_") as tmp, \
+       checkouts(args.before, pathlib.Path(tmp)) as srcs:
     runs: dict = {k: [] for k in srcs}
-    try:
-      for p in range(args.pairs):
-        for label, src in srcs.items():
-          env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(src))
-          r = subprocess.run([sys.executable, str(ROOT / "bench" / "variant_step_bench.py"),
-                              "--worker", "--steps", str(args.steps)],
-                             env=env, capture_output=True, text=True, cwd=str(src))
-          line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-          if r.returncode or not line:
-            raise SystemExit(f"{label} run failed:\n{r.stderr[-3000:]}")
-          res = json.loads(line[0][7:])
-          runs[label].append(res)
-          print(f"pair {p} {label}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
-                                                  res["times"].items()), flush=True)
-    finally:
-      if "before" in srcs:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                        str(srcs["before"])], capture_output=True)
+    for p in range(args.pairs):
+      for label, src in srcs.items():
+        res = run_worker(ROOT / "bench" / "variant_step_bench.py", src, ["--steps", str(args.steps)])
+        runs[label].append(res)
+        print(f"pair {p} {label}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                                res["times"].items()), flush=True)
   keys = list(runs["now"][0]["times"])
   med = {label: {k: statistics.median(r["times"][k] for r in rs) for k in keys}
          for label, rs in runs.items()}

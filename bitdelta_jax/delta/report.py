@@ -172,8 +172,7 @@ def describe_embeddings(manifest: dict) -> list[str]:
              if c["stored"] == "1bit" else
              f"auto: 1-bit would err {err:.2%} of |W|, over the {limit:.0%} limit")
     else:
-      why = f"--embeddings {c.get('chosen_by')}" + (f"; 1-bit error {err:.2%} of |W|"
-                                                   if err is not None else "")
+      why = f"--embeddings {c.get('chosen_by')}; 1-bit error {err:.2%} of |W|"
     out.append(f"{name}: {how} ({why})")
   return out
 

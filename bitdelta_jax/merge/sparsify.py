@@ -51,14 +51,18 @@ def rescale_l1(delta: jax.Array, kept: jax.Array, eps: float = L1_EPS) -> jax.Ar
   return jnp.where(ok, kept * (before / jnp.where(ok, after, 1.0)), kept)
 
 
-def kth_largest_magnitude(x: jax.Array, k: int) -> jax.Array:
-  """The bit pattern (int32) of the k-th largest |x|, by radix selection.
+def magnitude_bits(x: jax.Array) -> jax.Array:
+  """|x| as flat int32 bit patterns, which order as the magnitudes do."""
+  return jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32).reshape(-1)
+
+
+def kth_largest_magnitude(bits: jax.Array, k: int) -> jax.Array:
+  """The k-th largest of ``bits`` (`magnitude_bits` of a tensor), by radix selection.
 
   Non-negative floats order as their int32 bit patterns do, so the largest t with
-  count(bits >= t) >= k is found one bit at a time from the top: 31 counting passes over x,
+  count(bits >= t) >= k is found one bit at a time from the top: 31 counting passes over bits,
   O(31·n) with no sort. On XLA CPU this takes 0.84 s for a 49152x576 embedding, against tens
   of seconds for ``lax.top_k`` of half of it. NaN sorts above inf, as in ``lax.top_k``."""
-  bits = jax.lax.bitcast_convert_type(jnp.abs(x.astype(jnp.float32)), jnp.int32).reshape(-1)
 
   def step(i, t):
     cand = t | jnp.left_shift(jnp.int32(1), 30 - i)
@@ -78,8 +82,8 @@ def magnitude_mask(delta: jax.Array, density: float) -> jax.Array:
   if density <= 0 or delta.size == 0:
     return jnp.zeros(delta.shape, bool)
   k = max(1, int(density * delta.size))
-  t = kth_largest_magnitude(delta, k)
-  bits = jax.lax.bitcast_convert_type(jnp.abs(delta.astype(jnp.float32)), jnp.int32).reshape(-1)
+  bits = magnitude_bits(delta)
+  t = kth_largest_magnitude(bits, k)
   above = bits > t
   need = k - jnp.sum(above, dtype=jnp.int32)  # how many of the entries equal to t to keep
   at = bits == t

@@ -35,11 +35,15 @@ _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_delta_matmul"
 
 
+def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
+  return native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
+                      key_extra=jax.__version__.encode(), arch=arch)
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
   """Builds (once per machine and source version) and registers the kernel."""
-  lib, reason = native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
-                             key_extra=jax.__version__.encode())
+  lib, reason = _build()
   if lib is None:
     return None, f"the CPU delta kernel cannot be built: {reason}"
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
@@ -57,8 +61,7 @@ def build_target(arch: tuple[str, ...], target: str) -> int:
   for the AVX2 tile on an AVX-512 machine, ``()`` for the portable loop) and registers it as
   FFI target ``target`` (pass it to `fused_call`); returns the tile it runs. For tests of the
   paths this machine's native build does not take."""
-  lib, reason = native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
-                             key_extra=jax.__version__.encode(), arch=arch)
+  lib, reason = _build(arch)
   if lib is None:
     raise RuntimeError(f"the CPU delta kernel cannot be built with {arch}: {reason}")
   jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
