@@ -138,7 +138,7 @@ def run(mesh) -> dict:
           "prompt_logprobs": {str(k): list(v) for k, v in sorted(s.prompt_logprobs.items())},
         }
         gen.finish(s)
-  k = gen.k_pool
+  k = gen.runner.k_pool
   gathers = all_gathers(gen) if mesh is not None else {}
   return {"choices": out, "gathers": gathers, "kv_spec": str(getattr(k.sharding, "spec", None)),
           "kv_shard_shape": list(k.addressable_shards[0].data.shape),
@@ -152,12 +152,12 @@ def all_gathers(gen) -> dict:
   gen._admit()
   _, prefill, _ = gen._plan()
   batch, _, _, base_only = gen._prefill_batch(prefill)
-  txt = gen._run.lower(gen.state, gen.k_pool, gen.v_pool, batch, base_only).compile().as_text()
+  txt = gen.runner.lower(batch, base_only).compile().as_text()
   shapes = [re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line) for line in txt.splitlines()
             if " all-gather(" in line or "all-gather-start(" in line]
   return {"gathered": [[m.group(1), [int(d) for d in m.group(2).split(",") if d]]
                        for m in shapes if m],
-          "pool_shape": list(gen.k_pool.shape)}
+          "pool_shape": list(gen.runner.k_pool.shape)}
 
 
 def main(path: str) -> None:

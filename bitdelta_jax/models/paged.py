@@ -46,30 +46,25 @@ choice is per row inside the step (`bitdelta_jax.models.sampling.sample`).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
 
 import numpy as np
-from flax import nnx
 
-from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.generate import Generation, per_request
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
-from bitdelta_jax.models.mesh_layout import MeshLayout
 from bitdelta_jax.models.paged_batch import (
   PagedBatch,
   Seq,
   StepResult,
-  copy_pages_impl,
   fill_masks,
   finish_reason,
   prng_key,
-  run_impl,
 )
+from bitdelta_jax.models.paged_runner import PagedRunner
 from bitdelta_jax.models.sampling import SamplingParams
 
 
@@ -97,6 +92,7 @@ class PagedGenerator:
     tokenizer=None,
     mesh=None,
     rules=None,
+    runner=None,
   ):
     if page_size < 1 or prefill_chunk < 1 or max_rows < 1:
       raise ValueError("page_size, prefill_chunk and max_rows must be >= 1")
@@ -112,15 +108,10 @@ class PagedGenerator:
       num_pages = self.max_rows * self.max_pages_per_seq + 1
     self.pool = PagePool(int(num_pages), self.page_size, prefix_caching)
     cfg = model.config
-    self.layout = MeshLayout.of(model, mesh, rules)
-    shape = (cfg.num_layers, int(num_pages), self.page_size, cfg.num_kv_heads, cfg.head_dim)
-    self.k_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
-    self.v_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
-    self.graphdef, self.state = nnx.split(model)
-    self._run, self._copy_pages = self.layout.jit_step(
-      functools.partial(run_impl, self.graphdef), copy_pages_impl)
+    self.runner = runner if runner is not None else PagedRunner(
+      model, num_pages=int(num_pages), page_size=self.page_size, max_seq_len=self.max_seq_len,
+      mesh=mesh, rules=rules)
     self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
-    self._neutral: dict[int, LogitControls] = {}  # rows -> device arrays, reused every step
     self.slot_epoch = [0] * cfg.num_slots
     self.waiting: deque[Seq] = deque()
     self.running: list[Seq] = []
@@ -131,41 +122,34 @@ class PagedGenerator:
   # -- variants ------------------------------------------------------------------------------
   @property
   def mesh(self):
-    return self.layout.mesh
+    return self.runner.mesh
+
+  @property
+  def lost(self) -> str | None:
+    """Why the runner cannot go on (multi-process: a worker was lost), or None."""
+    return getattr(self.runner, "lost", None)
 
   def refresh(self) -> None:
     """Re-reads the model's state (after its banks or parameters changed)."""
-    self.state = self.layout.place_state(nnx.state(self.model))
+    self.runner.refresh()
 
   def load_variant(self, slot: int, delta) -> None:
     """``delta``: an in-memory delta dict, or (on a mesh) also a delta directory, written
     shard by shard."""
-    if self.mesh is not None:
-      from bitdelta_jax.sharding.restore import load_variant_sharded
-
-      load_variant_sharded(self.model, slot, delta)
-    else:
-      slots_lib.load_variant(self.model, slot, delta)
-    self._slot_changed(slot)
+    self.runner.load_variant(slot, delta)
+    self.slot_epoch[slot] += 1  # cached prefixes of the old contents are never matched again
 
   def clear_slot(self, slot: int) -> None:
-    if self.mesh is not None:
-      self.load_variant(slot, {})
-      return
-    slots_lib.clear_slot(self.model, slot)
-    self._slot_changed(slot)
-
-  def _slot_changed(self, slot: int) -> None:
-    self.slot_epoch[slot] += 1  # cached prefixes of the old contents are never matched again
-    self.refresh()
+    self.runner.clear_slot(slot)
+    self.slot_epoch[slot] += 1
 
   @property
   def kv_bytes(self) -> int:
-    return 2 * self.k_pool.size * self.k_pool.dtype.itemsize
+    return self.runner.kv_bytes
 
   @property
   def compiles(self) -> int:
-    return self._run._cache_size()
+    return self.runner.compiles
 
   # -- scheduling API -------------------------------------------------------------------------
   def add(self, prompt: Sequence[int], slot: int = 0, params: SamplingParams = SamplingParams(),
@@ -330,23 +314,23 @@ class PagedGenerator:
         calls.append((group, self._prefill_batch(group)))
     pending_out = []
     for work, (batch, outputs, scored, base_only) in calls:
-      self.k_pool, self.v_pool, out = self._run(self.state, self.k_pool, self.v_pool, batch,
-                                                base_only)
+      out = self.runner.run(batch, base_only)
       self.shapes_run.add((batch.tokens.shape, batch.pages.shape[1], len(outputs), base_only))
       pending_out.append((work, outputs, scored, out))
     result = StepResult([], errors, sum(n for _, n in prefill))
     copies: list[tuple[int, int]] = []
     for work, outputs, scored, out in pending_out:
-      tok = np.asarray(out.tokens)
+      fetch = self.runner.fetch
+      tok = fetch(out.tokens)
       if any(s.params.logprobs is not None for s in outputs):
-        lp, ids, vals = (np.asarray(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
+        lp, ids, vals = (fetch(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
         for j, s in enumerate(outputs):
           if s.params.logprobs is not None:
             k = s.params.logprobs
             s.token_logprobs.append((float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist()))
       if scored:
-        lp, ids, vals = (np.asarray(a) for a in (out.score, out.score_top_ids,
-                                                 out.score_top_logprobs))
+        lp, ids, vals = (fetch(a) for a in (out.score, out.score_top_ids,
+                                            out.score_top_logprobs))
         for j, (s, p) in enumerate(scored):
           k = s.params.prompt_logprobs
           s.prompt_logprobs[p] = (float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist())
@@ -368,7 +352,7 @@ class PagedGenerator:
       src = np.zeros((n,), np.int32)  # padding copies the reserved page 0 onto itself
       dst = np.zeros((n,), np.int32)
       src[: len(copies)], dst[: len(copies)] = zip(*copies)
-      self.k_pool, self.v_pool = self._copy_pages(self.k_pool, self.v_pool, src, dst)
+      self.runner.copy_pages(src, dst)
     return result
 
   def _fork(self, s: Seq, copies: list) -> None:
@@ -507,14 +491,11 @@ class PagedGenerator:
     base_only = not any(s.slot for work in rows for s, _ in work)
     return batch, outputs, scored, base_only
 
-  def _controls(self, outputs: Sequence[Seq], nout: int) -> LogitControls:
-    """The outputs' logit controls: the cached neutral (device) arrays when no output uses
-    any, else host arrays with each controlled row filled in."""
-    if nout not in self._neutral:
-      self._neutral[nout] = self.layout.replicate(
-        LogitControls.neutral(nout, self.vocab_size, self.max_seq_len))
+  def _controls(self, outputs: Sequence[Seq], nout: int) -> LogitControls | None:
+    """The outputs' logit controls: None (the runner's cached neutral arrays) when no output
+    uses any, else host arrays with each controlled row filled in."""
     if not any(s.params.controlled for s in outputs):
-      return self._neutral[nout]
+      return None
     c = LogitControls.neutral(nout, self.vocab_size, self.max_seq_len)
     fill_masks([s.matcher for s in outputs], c.mask)
     for j, s in enumerate(outputs):
