@@ -53,7 +53,6 @@ class ServerConfig:
   top_n_pin: int = 0
   max_batch: int = 32  # most sequences decoding at once (a step runs only the live ones)
   max_seq_len: int = 2048  # prompt + generated tokens per sequence
-  buckets: tuple[int, ...] = ()  # sharded engine only: prefill lengths (powers of two from 32)
   page_size: int = 16  # tokens per KV-cache page
   kv_cache_mb: float = 1024.0  # KV-cache pool (pages are shared by all sequences)
   prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
@@ -116,8 +115,6 @@ class ServerConfig:
     need(len(set(self.pins)) + self.top_n_pin <= self.device_slots, "pins",
          f"{len(set(self.pins))} explicit pins + top_n_pin {self.top_n_pin} exceed device_slots "
          f"{self.device_slots}")
-    for b in self.buckets:
-      need(0 < b <= self.max_seq_len, "buckets", f"bucket {b} must be in (0, max_seq_len]")
     need(self.mesh is None or bool(MESH_RE.match(self.mesh)), "mesh",
          f"expected 'data=D,model=M' (either axis may be left out), got {self.mesh!r}")
     need(self.num_processes >= 1, "num_processes", f"must be >= 1, got {self.num_processes}")
@@ -156,21 +153,8 @@ class ServerConfig:
     return int(self.host_cache_mb * (1 << 20))
 
   @property
-  def prefill_buckets(self) -> tuple[int, ...]:
-    if self.buckets:
-      return tuple(sorted(set(self.buckets)))
-    out, b = [], 32
-    while b < self.max_seq_len:
-      out.append(b)
-      b *= 2
-    return tuple(out + [self.max_seq_len])
-
-  @property
   def max_prompt_tokens(self) -> int:
-    """Longest prompt accepted: room for one generated token (the multi-process engine's
-    prompts must also fit its largest prefill bucket; the paged engine chunks long prompts)."""
-    if self.multi_process:
-      return min(self.prefill_buckets[-1], self.max_seq_len - 1)
+    """Longest prompt accepted: room for one generated token (long prompts are chunked)."""
     return self.max_seq_len - 1
 
   def replace(self, **kw) -> ServerConfig:
@@ -183,6 +167,9 @@ class ServerConfig:
     """Builds a config from a JSON-like mapping; relative paths resolve against ``root``."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - fields)
+    if "buckets" in unknown:
+      raise ConfigError("buckets: no longer used (the one engine chunks prompts of any length "
+                        "up to max_seq_len); remove it")
     if unknown:
       raise ConfigError(f"{unknown[0]}: unknown config field (known: {', '.join(sorted(fields))})")
     kw = dict(d)
@@ -201,7 +188,7 @@ class ServerConfig:
         kw["variants"] = tuple((str(n), path(p, f"variants.{n}")) for n, p in items)
       except (TypeError, ValueError) as e:
         raise ConfigError(f"variants: expected {{name: path}} ({e})") from None
-    for key in ("pins", "buckets", "admin_roots"):
+    for key in ("pins", "admin_roots"):
       if key in kw:
         if not isinstance(kw[key], list | tuple):
           raise ConfigError(f"{key}: expected a list, got {type(kw[key]).__name__}")

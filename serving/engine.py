@@ -5,18 +5,17 @@
     engine.submit(GenRequest(...))             # thread-safe; events come back via req.emit
     await asyncio.wrap_future(engine.call(lambda gen: gen.load_variant(slot, delta)))
 
-One device (the default): a `bitdelta_jax.models.paged.PagedGenerator`. Each iteration runs
-queued calls (slot loads), adds new requests, drops cancelled ones, then one ``step``: a decode
-call over the live rows only (row and length buckets, paged KV cache) and a prefill call over
-waiting prompts (several at once, mixed variants, long prompts chunked across iterations,
-shared prefixes reused). Each row's slot id mixes variants in the same batch.
+One engine on every deployment (one device, a mesh, several processes): a
+`bitdelta_jax.models.paged.PagedGenerator`, whose scheduler runs here and whose runner owns
+the device state (on a mesh spanning processes, a `serving.multihost.LeaderRunner` that sends
+every call to the other processes first). Each iteration runs queued calls (slot loads), adds
+new requests, drops cancelled ones, then one ``step``: a decode call over the live rows only
+(row and length buckets, paged KV cache) and a prefill call over waiting prompts (several at
+once, mixed variants, long prompts chunked across iterations, shared prefixes reused). Each
+row's slot id mixes variants in the same batch.
 
-A mesh or several processes: the JetStream-shaped loop over a fixed set of decode rows
-(``prefill`` at the prompt's bucket → ``insert(row)`` → ``step`` over all rows), which the
-multi-process plans replay (`serving.multihost`).
-
-Stops (EOS, stop strings, max tokens, context) are applied here on the host in both loops, so
-a finished sequence is freed at once. The paged loop takes a request's ``n`` choices of one
+Stops (EOS, stop strings, max tokens, context) are applied here on the host, so a finished
+sequence is freed at once. The loop takes a request's ``n`` choices of one
 prompt as a group (`Engine.submit_group` → ``PagedGenerator.add_n``: one prefill), attaches each
 token's log probabilities to the events that carry its text (and an echo's prompt log
 probabilities to a choice's first event), and ends a sequence whose grammar is complete.
@@ -34,10 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-
-import numpy as np
 
 from bitdelta_jax.distributed import WorkerLost
 from serving.config import ServerConfig
@@ -105,7 +101,6 @@ class Engine:
     self._ready: concurrent.futures.Future = concurrent.futures.Future()
     self.gen = None
     self.vocab_size = 0
-    self.paged = False
     # read (not written) by the event loop: plain ints are safe to read across threads
     self.active_rows = 0
     self.queue_depth = 0
@@ -128,7 +123,7 @@ class Engine:
 
   def submit_group(self, reqs: list[GenRequest]) -> None:
     """The ``n`` choices of one prompt (same prompt, slot and params): one prefill, then each
-    its own stream (the paged engine; the fixed-row engine takes only groups of one)."""
+    its own stream."""
     for r in reqs:
       r.group = list(reqs)
     self.queue_depth += 1  # approximate (racy by one at worst); the device thread corrects it
@@ -169,168 +164,53 @@ class Engine:
   def _build(self):
     cfg = self.cfg
     enable_compile_cache()
-    if cfg.multi_process:  # process 0: every step becomes a plan for the followers too
-      from bitdelta_jax.distributed import broadcast_json
+    sender = None
+    if cfg.multi_process:  # process 0: every runner call becomes a plan for the followers too
       from serving import multihost
 
-      nbytes = multihost.plan_bytes(cfg.max_seq_len)
-      broadcast_json({"op": "build", "embedding_slots": self.embedding_slots,
-                      "lora_rank": self.lora_rank}, max_bytes=nbytes)
+      sender = multihost.lead(cfg, multihost.build_options(self))
     gen = build_generator(cfg, embedding_slots=self.embedding_slots, lora_rank=self.lora_rank,
                           extra_vocab=self.extra_vocab,
                           packed_embedding_slots=self.packed_embedding_slots,
                           tokenizer=self.tokenizer,
                           model_factory=self._model_factory)
     self.vocab_size = gen.model.config.vocab_size
-    from bitdelta_jax.models.paged import PagedGenerator
-
-    self.paged = isinstance(gen, PagedGenerator)  # n, logprobs, controls: the paged engine's
-    if cfg.multi_process:
-      gen = multihost.LeaderGenerator(multihost.Replica(gen), timeout_s=cfg.step_timeout_s,
-                                      max_plan_bytes=nbytes)
+    if sender is not None:
+      gen.runner = multihost.LeaderRunner(gen.runner, sender.send, timeout_s=cfg.step_timeout_s)
     return gen
-
-  def _warmup(self, gen) -> None:
-    """Compiles the common shapes: every prefill bucket, insert, the decode step (fixed rows),
-    or each decode-row bucket with a short prompt in base and variant forms (paged)."""
-    from bitdelta_jax.models.paged import PagedGenerator
-    from bitdelta_jax.models.sampling import SamplingParams
-
-    if isinstance(gen, PagedGenerator):
-      gen.warmup(progress=log.info)
-      return
-
-    state = gen.init_state()
-    for b in gen.buckets:
-      n = min(b, self.cfg.max_prompt_tokens)
-      prefix = gen.prefill([0] * n, 0, SamplingParams(temperature=1.0, top_p=0.9))
-      state = gen.insert(state, prefix, 0)
-    state, toks = gen.step(state)
-    np.asarray(toks)
-    gen.clear_slot(1)
 
   def _main(self) -> None:
     try:
       gen = self.gen = self._build()
       if self.cfg.warmup:
-        self._warmup(gen)
+        gen.warmup(progress=log.info)
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
       self._ready.set_exception(e)
       return
     self.alive = True
     self._ready.set_result(gen)
-    from bitdelta_jax.models.paged import PagedGenerator
-
     try:
-      if isinstance(gen, PagedGenerator):
-        self._loop_paged(gen)
-      else:
-        self._loop(gen)
+      self._loop(gen)
     finally:
       self.alive = False
-      if hasattr(gen, "close"):  # multi-process: release the followers
-        gen.close()
-
-  def _loop(self, gen) -> None:
-    m = self.metrics
-    state = gen.init_state()
-    rows: dict[int, GenRequest] = {}
-    free = list(range(gen.max_rows))[::-1]
-    pending: deque[GenRequest] = deque()
-    ping_s = self.IDLE_PING_S if hasattr(gen, "ping") else None
-    while True:
-      # 1. inbox: block only when there is nothing to decode
-      block = not rows and not pending
-      while True:
-        try:
-          item = self._inbox.get(block=block, timeout=ping_s if block else None)
-        except queue.Empty:
-          if block and not self.lost:  # idle, multi-process: notice a dead worker early
-            try:
-              gen.ping()
-            except WorkerLost:
-              pass
-          break
-        block = False
-        if item[0] == "stop":
-          for r in list(rows.values()) + list(pending):
-            self._emit(r, Event("error", message="server shutting down"))
-          return
-        if item[0] == "req":
-          pending.extend(item[1])
-        else:
-          _, fn, fut = item
-          if fut.set_running_or_notify_cancel():
-            try:
-              fut.set_result(fn(gen))
-            except BaseException as e:  # noqa: BLE001
-              fut.set_exception(e)
-      # 2. admit new requests into free rows
-      while pending and free:
-        r = pending.popleft()
-        if r.cancelled:
-          self._emit(r, Event("done", finish_reason="cancelled"))
-          continue
-        try:
-          prefix = gen.prefill(r.prompt, r.slot, r.params)
-          tok = int(prefix.token[0])
-        except Exception as e:  # noqa: BLE001  one bad request must not stop the engine
-          log.exception("prefill failed")
-          self._emit(r, Event("error", message=f"prefill failed: {e}", code=_code(e)))
-          continue
-        now = time.perf_counter()
-        m.ttft.labels(r.model).observe(now - r.arrival)
-        r.t_last = now
-        if not self._accept(r, tok, now):
-          row = free.pop()
-          try:
-            state = gen.insert(state, prefix, row)
-          except Exception as e:  # noqa: BLE001  e.g. a lost worker (multi-process)
-            log.exception("insert failed")
-            free.append(row)
-            self._emit(r, Event("error", message=f"insert failed: {e}", code=_code(e)))
-            continue
-          rows[row] = r
-      self._gauges(len(rows), len(pending), gen.max_rows)
-      if not rows:
-        continue
-      # 3. one decode step over every row (mixed variants via per-row slot ids)
-      try:
-        state, toks = gen.step(state)
-        toks = np.asarray(toks)
-      except Exception as e:  # noqa: BLE001
-        log.exception("decode step failed")
-        for row, r in rows.items():
-          self._emit(r, Event("error", message=f"decode step failed: {e}", code=_code(e)))
-          free.append(row)
-        rows.clear()
-        try:
-          state = gen.init_state()
-        except WorkerLost:  # degraded for good: later requests fail at prefill
-          state = None
-        continue
-      self.steps += 1
-      now = time.perf_counter()
-      for row, r in list(rows.items()):
-        if r.cancelled:
-          self._emit(r, Event("done", finish_reason="cancelled", completion_tokens=len(r.tokens)))
-          done = True
-        else:
-          m.itl.labels(r.model).observe(now - r.t_last)
-          r.t_last = now
-          done = self._accept(r, int(toks[row]), now)
-        if done:
-          del rows[row]
-          free.append(row)
-      if not rows:
-        self._gauges(0, len(pending), gen.max_rows)
+      close = getattr(gen.runner, "close", None)
+      if close is not None:  # multi-process: release the followers
+        close()
 
   def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
-    """Takes queued requests and runs queued calls; False when asked to stop."""
+    """Takes queued requests and runs queued calls; False when asked to stop. Blocking and
+    idle for `IDLE_PING_S` with several processes, it pings the workers (a dead one shows up
+    while nothing runs)."""
+    ping = getattr(self.gen.runner, "ping", None)
     while True:
       try:
-        item = self._inbox.get(block=block)
+        item = self._inbox.get(block=block, timeout=self.IDLE_PING_S if block and ping else None)
       except queue.Empty:
+        if block and ping is not None and not self.lost:
+          try:
+            ping()
+          except WorkerLost:
+            pass
         return True
       block = False
       if item[0] == "stop":
@@ -345,7 +225,7 @@ class Engine:
           except BaseException as e:  # noqa: BLE001
             fut.set_exception(e)
 
-  def _loop_paged(self, gen) -> None:
+  def _loop(self, gen) -> None:
     m = self.metrics
 
     def on_request(reqs: list[GenRequest]) -> None:
@@ -451,7 +331,7 @@ class Engine:
   # -- per-token host logic --------------------------------------------------------------------
   def _accept(self, r: GenRequest, tok: int, now: float, seq=None) -> bool:
     """Adds a token to ``r``; emits text; returns True (after emitting ``done``) when finished.
-    ``seq`` (paged engine): the sequence, whose log probabilities and grammar state are read."""
+    ``seq``: the sequence, whose log probabilities and grammar state are read."""
     p = r.params
     if p.max_new_tokens == 0:  # echo only: the token drawn after the prompt is not kept
       return self._finish(r, "length", "")
@@ -542,10 +422,10 @@ def _code(e: BaseException) -> str | None:
 def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_rank: int = 0,
                     extra_vocab: int = 0, packed_embedding_slots: bool = False, tokenizer=None,
                     model_factory: Callable | None = None):
-  """The engine's generator: the paged engine (`PagedGenerator`) on one device or, with
-  ``--mesh``, over a device mesh (the base restored straight into its shardings); with several
-  processes the fixed-row `bitdelta_jax.sharding.ShardedGenerator` over the global mesh, which
-  every process builds with the same arguments (the same JAX computations in the same order)."""
+  """The engine's `PagedGenerator`, on one device or, with ``--mesh`` or several processes,
+  over a device mesh (the base restored straight into its shardings). Every process of a
+  multi-process server builds it with the same arguments (the same JAX computations in the
+  same order); only process 0's scheduler is used."""
   import jax.numpy as jnp
 
   from bitdelta_jax.models.paged import PagedGenerator
@@ -569,10 +449,6 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
                             dense_embedding_slots=embedding_slots, lora_rank=lora_rank,
                             extra_vocab=extra_vocab,
                             packed_embedding_slots=packed_embedding_slots)
-  if cfg.multi_process:
-    return sharding.ShardedGenerator(model, mesh, buckets=cfg.prefill_buckets,
-                                     max_seq_len=cfg.max_seq_len, max_rows=cfg.max_batch,
-                                     tokenizer=tokenizer)
   mc = model.config
   token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * model.dtype.itemsize
   pages_per_seq = -(-cfg.max_seq_len // cfg.page_size)

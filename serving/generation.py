@@ -71,10 +71,6 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   if tools is not None and tools.forced is not None:  # the call is generated under its schema
     if ctl.response_format is not None:
       raise P.invalid("response_format", "cannot be combined with a forced tool_choice")
-    if not server.engine.paged:
-      raise P.invalid("tool_choice", "a forced tool_choice is not supported by the fixed-row "
-                                     "engine (a mesh or several processes)",
-                      code="unsupported_parameter")
     ctl = dataclasses.replace(ctl, response_format=tools.response_format)
   else:
     tools = None
@@ -89,7 +85,6 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   plist = [_params(opts, ctl, tok, grammar, cfg, len(p), server.engine.vocab_size)
            for p in prompts]
   check_budget(ctl, [len(p) for p in prompts], [p.max_new_tokens for p in plist])
-  _check_engine_can(server.engine, ctl, plist, len(prompts))
   if not server.engine.alive:
     raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
   if server.engine.lost:
@@ -203,33 +198,6 @@ def _params(opts: P.Options, ctl: Controls, tok, grammar, cfg, prompt_len: int, 
     frequency_penalty=ctl.frequency_penalty, repetition_penalty=ctl.repetition_penalty,
     logit_bias=ctl.logit_bias, min_tokens=min(ctl.min_tokens, max_tokens),
     logprobs=ctl.logprobs, prompt_logprobs=ctl.logprobs if scored else None, grammar=grammar)
-
-
-def _check_engine_can(engine, ctl: Controls, plist, n_prompts: int) -> None:
-  """The fixed-row engine's limits, as 400s that name the field."""
-  if engine.paged:
-    return
-  from bitdelta_jax.models.generate import fixed_rows_refusal
-
-  why = " is not supported by the fixed-row engine (a mesh or several processes)"
-  if ctl.n > 1:
-    raise P.invalid("n", "n > 1" + why, code="unsupported_parameter")
-  if n_prompts > 1:
-    raise P.invalid("prompt", "several prompts" + why, code="unsupported_parameter")
-  if ctl.echo:
-    raise P.invalid("echo", "echo" + why, code="unsupported_parameter")
-  for field, used in (("logprobs", ctl.logprobs is not None),
-                      ("response_format", ctl.response_format is not None),
-                      ("logit_bias", bool(ctl.logit_bias)), ("min_tokens", ctl.min_tokens > 0),
-                      ("presence_penalty", ctl.presence_penalty != 0),
-                      ("frequency_penalty", ctl.frequency_penalty != 0),
-                      ("repetition_penalty", ctl.repetition_penalty != 1)):
-    if used:
-      raise P.invalid(field, field + why, code="unsupported_parameter")
-  for p in plist:
-    reason = fixed_rows_refusal(p)
-    if reason:
-      raise P.ApiError(400, reason, code="unsupported_parameter")
 
 
 async def _stream(request, reqs, events, choices: Choices, rid, created, model, chat, opts,

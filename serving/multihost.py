@@ -1,31 +1,35 @@
-"""Multi-process serving: process 0 decides, every process runs the same jitted steps.
+"""Multi-process serving: process 0 schedules, every process runs the same runner calls.
 
     # process 0 (the device thread of `serving.engine.Engine`, HTTP in front of it)
-    gen = LeaderGenerator(replica, timeout_s=cfg.step_timeout_s, max_plan_bytes=...)
+    gen.runner = LeaderRunner(gen.runner, sender, timeout_s=cfg.step_timeout_s)
     # processes 1..N-1 (no HTTP)
     run_follower(cfg)
 
 JAX's multi-controller runtime needs every process to dispatch the same computations over the
-global mesh in the same order. The engine on process 0 drives its generator through
-`LeaderGenerator`, which has the `Generator` step API (``init_state``, ``prefill``, ``insert``,
-``step``, ``load_variant``, ``clear_slot``); each call becomes a *plan*, a small JSON object
-(``{"op": "prefill", "prompt": [...], "slot": 2, "sampling": {...}}``, ``{"op": "step"}``,
-``{"op": "load", "slot": 1, "path": ..., "adapter": false}``, ...), that
-`bitdelta_jax.distributed.broadcast_json` hands to every process before all of them, process
-0 included, execute it through the same `Replica`. The decode state and the last prefix live
-in each process's `Replica`; the engine holds only handles, and reads sampled tokens from
-replicated outputs (no extra collective). The first plan is ``{"op": "build", ...}`` (the
-model options process 0 derived from the variant manifests), the last ``{"op": "stop"}``.
+global mesh in the same order. The one engine is split at that line: the scheduler
+(`bitdelta_jax.models.paged.PagedGenerator`) runs on process 0 only and hands its runner one
+call at a time (a step over a `PagedBatch`, a page copy, a slot write or clear). On process 0
+that runner is a `LeaderRunner`: it encodes each call as compact bytes
+(`bitdelta_jax.models.step_plan`), sends them to every follower over TCP
+(`serving.plan_channel`), and then makes the call itself; each follower decodes the plan and
+makes the same call on its own `PagedRunner`. So n choices, log probabilities, echo, penalties,
+bias, grammar masks, prefix caching and preemption all work across processes: they are host
+decisions that end up as arrays of the batch. Process 0 reads sampled tokens from its own shard
+of the replicated outputs (no extra collective).
 
-A lost worker: every plan (broadcast + execution) runs under a timeout on process 0. A
-timeout or a runtime error (gloo reports a closed peer connection within milliseconds) raises
-`WorkerLost`; the generator is then *lost* for good: later calls fail at once with the same
-message, the engine fails in-flight requests with it, the HTTP front answers 503 and /health
-says ``degraded``. (A thread stuck in a collective cannot be cancelled; it is a daemon.) An
-idle engine sends an empty ``ping`` plan every few seconds, so a worker that dies while
-nothing runs is noticed then. `serving.cli.run_server` turns on ``jax_enable_recoverability``
-so that the coordination service does not terminate process 0 when a worker stops sending
-heartbeats. The first call of each kind (per prefill bucket) compiles, so it gets
+Start-up: process 0 opens the plan listener on an ephemeral port and hands its port, a random
+token and the model options it derived from the variant manifests to every process through one
+collective (`bitdelta_jax.distributed.broadcast_json`); the followers connect with the token.
+
+A lost worker: every call (send + execution, waiting for its results) runs under a timeout on
+process 0. A timeout or a runtime error (gloo reports a closed peer connection within
+milliseconds, the socket a reset) raises `WorkerLost`; the runner is then *lost* for good:
+later calls fail at once with the same message, the engine fails in-flight requests with it,
+the HTTP front answers 503 and /health says ``degraded``. (A thread stuck in a collective
+cannot be cancelled; it is a daemon.) An idle engine sends a ``ping`` plan every few seconds,
+so a worker that dies while nothing runs is noticed then. `serving.cli.run_server` turns on
+``jax_enable_recoverability`` so that the coordination service does not terminate process 0
+when a worker stops sending heartbeats. A call of a shape not run before compiles, so it gets
 ``first_call_timeout_s`` (at least 300 s) instead of the step timeout.
 
 Variants: followers read the same delta directories (a filesystem shared by all hosts, or
@@ -40,23 +44,15 @@ import dataclasses
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from bitdelta_jax.distributed import WorkerLost, broadcast_json
+from bitdelta_jax.distributed import WorkerLost
+from bitdelta_jax.models import step_plan
 
 log = logging.getLogger("serving.multihost")
-
-# SamplingParams fields that reach the device (stops are applied on process 0's host)
-_DEVICE_SAMPLING = ("temperature", "top_p", "top_k", "seed")
-
-
-def plan_bytes(max_seq_len: int) -> int:
-  """Room for the largest plan: a prompt of ``max_seq_len`` token ids, or a delta path."""
-  return 10 * max_seq_len + 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,58 +68,35 @@ class VariantRef:
     return ()
 
 
-def load_ref(gen, slot: int, ref: VariantRef) -> None:
-  """Writes the variant at ``ref.path`` into ``slot`` of a `ShardedGenerator`."""
-  if ref.adapter:  # LoRA factors are small: each process reads the adapter whole
+def resolve(ref: VariantRef):
+  """What a runner's ``load_variant`` takes for ``ref``: LoRA factors (small: each process
+  reads the adapter whole) or the delta directory (read shard by shard)."""
+  if ref.adapter:
     from bitdelta_jax.merge.lora import load_adapter
     from bitdelta_jax.models.slots import lora_entries
 
-    gen.load_variant(slot, lora_entries(load_adapter(ref.path)))
+    return lora_entries(load_adapter(ref.path))
+  return str(Path(ref.path))
+
+
+def apply(runner, op: str, fields: dict) -> None:
+  """Makes the runner call that plan ``(op, fields)`` describes (a follower's side)."""
+  if op == "run":
+    batch, base_only = step_plan.batch_of(fields)
+    runner.run(batch, base_only)
+  elif op == "copy":
+    runner.copy_pages(fields["src"], fields["dst"])
+  elif op == "load":
+    runner.load_variant(int(fields["slot"]),
+                        resolve(VariantRef(str(fields["path"]), bool(fields["adapter"]))))
+  elif op == "clear":
+    runner.clear_slot(int(fields["slot"]))
+  elif op == "refresh":
+    runner.refresh()
+  elif op == "ping":  # the send itself was the check
+    pass
   else:
-    gen.load_variant(slot, str(Path(ref.path)))
-
-
-class Replica:
-  """One process's copy of the engine's device-side state, advanced by plans."""
-
-  def __init__(self, gen):
-    self.gen = gen
-    self.state = None
-    self.prefix = None
-    self.ops = 0
-
-  def apply(self, plan: dict) -> Any:
-    """Executes one plan; returns host values (sampled tokens) where the op has any."""
-    from bitdelta_jax.models.sampling import SamplingParams
-
-    gen, op = self.gen, plan["op"]
-    self.ops += 1
-    if op == "init":
-      self.state = gen.init_state()
-    elif op == "prefill":
-      self.prefix = gen.prefill(plan["prompt"], plan["slot"], SamplingParams(**plan["sampling"]))
-      return np.asarray(self.prefix.token)  # replicated: read from a local shard
-    elif op == "insert":
-      self.state = gen.insert(self.state, self.prefix, plan["row"])
-    elif op == "step":
-      self.state, toks = gen.step(self.state)
-      return np.asarray(toks)
-    elif op == "load":
-      load_ref(gen, plan["slot"], VariantRef(plan["path"], plan["adapter"]))
-    elif op == "clear":
-      gen.clear_slot(plan["slot"])
-    elif op == "ping":  # the broadcast itself was the check
-      pass
-    else:
-      raise ValueError(f"unknown plan op {op!r}")
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefix:
-  """What the engine sees of a prefill on process 0: the first sampled token (host)."""
-
-  token: np.ndarray
+    raise step_plan.PlanError(f"unknown plan op {op!r}")
 
 
 def _is_runtime_error(e: BaseException) -> bool:
@@ -135,150 +108,167 @@ def _is_runtime_error(e: BaseException) -> bool:
   return isinstance(e, JaxRuntimeError | OSError | ConnectionError)
 
 
-class LeaderGenerator:
-  """Process 0's generator: the `Generator` step API, each call broadcast as a plan first."""
+class LeaderRunner:
+  """Process 0's runner: every call is sent to the followers as a plan, then made here."""
 
-  def __init__(self, replica: Replica, *, timeout_s: float, max_plan_bytes: int,
-               first_call_timeout_s: float | None = None, broadcast: Callable = broadcast_json):
-    self.replica = replica
+  def __init__(self, runner, send: Callable[[bytes], None], *, timeout_s: float,
+               first_call_timeout_s: float | None = None):
+    self.runner = runner
+    self._send = send
     self.timeout_s = timeout_s
-    # the first call of each kind (per prefill bucket) compiles: allow it longer
+    # a call of a new shape compiles: allow it longer
     self.first_call_timeout_s = max(timeout_s, first_call_timeout_s or 300.0)
     self._seen: set = set()
-    self._bucket: int | None = None  # of the last prefill (insert compiles per bucket)
-    self.max_plan_bytes = max_plan_bytes
-    self._broadcast = broadcast
     self.lost: str | None = None
     self.plans = 0
+    self.plan_bytes = 0
+    self.send_s = 0.0  # time spent encoding and sending plans
 
-  def __getattr__(self, name):  # max_rows, buckets, model, bucket_for, ...
-    return getattr(self.replica.gen, name)
+  def __getattr__(self, name):  # mesh, model, kv_bytes, compiles, fetch, neutral, ...
+    return getattr(self.runner, name)
 
-  def run(self, plan: dict) -> Any:
-    """Broadcasts ``plan`` and executes it here; `WorkerLost` on a timeout or runtime error."""
+  # -- the runner's calls --------------------------------------------------------------------
+  def run(self, batch, base_only: bool):
+    import jax
+
+    fields = step_plan.batch_fields(batch, base_only)
+    # what selects a compiled program: every array's shape, and base_only's value
+    kind = ("run",) + tuple((k, getattr(v, "shape", v)) for k, v in fields.items())
+    return self._call("run", fields, lambda: jax.block_until_ready(
+      self.runner.run(batch, base_only)), kind)
+
+  def copy_pages(self, src, dst) -> None:
+    import jax
+
+    def go():
+      self.runner.copy_pages(src, dst)
+      jax.block_until_ready(self.runner.k_pool)
+
+    self._call("copy", {"src": src, "dst": dst}, go, ("copy", len(src)))
+
+  def load_variant(self, slot: int, delta) -> None:
+    if not isinstance(delta, VariantRef):
+      raise TypeError("multi-process serving loads variants by path (a VariantRef)")
+    self._call("load", {"slot": int(slot), "path": delta.path, "adapter": int(delta.adapter)},
+               lambda: self.runner.load_variant(slot, resolve(delta)), ("load", delta.adapter))
+
+  def clear_slot(self, slot: int) -> None:
+    self._call("clear", {"slot": int(slot)}, lambda: self.runner.clear_slot(slot), ("clear",))
+
+  def refresh(self) -> None:
+    self._call("refresh", {}, self.runner.refresh, ("refresh",))
+
+  def ping(self) -> None:
+    """An empty plan: a dead worker shows up while the server is idle, not at the next
+    request (the engine sends one every `Engine.IDLE_PING_S` when idle)."""
+    self._call("ping", {}, lambda: None, ("ping",))
+
+  def close(self) -> None:
+    """Tells the followers to exit (skipped when a worker is already lost)."""
+    if self.lost is not None:
+      return
+    t = threading.Thread(target=self._send, args=(step_plan.encode("stop"),), daemon=True)
+    t.start()
+    t.join(min(self.timeout_s, 30.0))
+
+  # -- one plan --------------------------------------------------------------------------------
+  def _call(self, op: str, fields: dict, fn: Callable[[], Any], kind: tuple) -> Any:
+    """Sends the plan and runs ``fn`` here; `WorkerLost` on a timeout or runtime error."""
     if self.lost is not None:
       raise WorkerLost(self.lost)
-    size = len(json.dumps(plan).encode())
-    if size > self.max_plan_bytes:  # before any collective: the request fails, nothing else
-      raise ValueError(f"plan of {size} bytes exceeds {self.max_plan_bytes} bytes")
-    kind = (plan["op"], None)
-    if plan["op"] == "prefill":
-      kind = ("prefill", self.replica.gen.bucket_for(len(plan["prompt"])))
-    elif plan["op"] == "insert":
-      kind = ("insert", self._bucket)
+    t0 = time.perf_counter()
+    data = step_plan.encode(op, fields)
     timeout = self.timeout_s if kind in self._seen else self.first_call_timeout_s
     out: dict = {}
 
     def target():
       try:
-        self._broadcast(plan, max_bytes=self.max_plan_bytes)
-        out["sent"] = True
-        out["value"] = self.replica.apply(plan)
+        self._send(data)
+        out["sent"] = time.perf_counter()
+        out["value"] = fn()
       except BaseException as e:  # noqa: BLE001  re-raised on the calling thread
         out["error"] = e
 
-    t = threading.Thread(target=target, name=f"bitdelta-plan-{plan['op']}", daemon=True)
+    t = threading.Thread(target=target, name=f"bitdelta-plan-{op}", daemon=True)
     t.start()
     t.join(timeout)
     if t.is_alive():
-      return self._lose(f"{plan['op']} did not finish within {timeout:g} s")
+      return self._lose(f"{op} did not finish within {timeout:g} s")
     self.plans += 1
+    self.plan_bytes += len(data)
+    if "sent" in out:
+      self.send_s += out["sent"] - t0
     self._seen.add(kind)
-    if kind[0] == "prefill":
-      self._bucket = kind[1]
     err = out.get("error")
     if err is None:
       return out["value"]
-    if not out.get("sent") or _is_runtime_error(err):
-      return self._lose(f"{plan['op']} failed: {type(err).__name__}: {err}", err)
-    raise err  # deterministic (e.g. a bad slot): the followers raised it too and carry on
+    if "sent" not in out or _is_runtime_error(err):
+      return self._lose(f"{op} failed: {type(err).__name__}: {err}", err)
+    raise err  # deterministic (e.g. a bad delta): the followers raised it too and carry on
 
   def _lose(self, why: str, cause: BaseException | None = None):
     self.lost = f"a worker process was lost ({why}); restart all server processes"
     log.error("%s", self.lost)
     raise WorkerLost(self.lost) from cause
 
-  # -- the Generator step API (what serving.engine.Engine calls) -----------------------------
-  def init_state(self):
-    self.run({"op": "init"})
-    return self.replica  # a handle: the state lives in the replica
 
-  def prefill(self, prompt, slot: int = 0, params=None) -> _Prefix:
-    from bitdelta_jax.models.sampling import SamplingParams
+# -- start-up ---------------------------------------------------------------------------------
+def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
+  """Process 0: hands ``build`` (the model options) and the plan channel to every process and
+  waits for the followers to connect; returns the `PlanSender`. Call it before any
+  computation on the mesh (where the followers start `run_follower`)."""
+  from bitdelta_jax.distributed import broadcast_json
+  from serving.plan_channel import PlanSender
 
-    params = params or SamplingParams()
-    gen = self.replica.gen
-    gen.bucket_for(len(prompt))  # validate here, before any follower sees the plan
-    if not len(prompt) or not 0 <= slot < gen.model.config.num_slots:
-      raise ValueError(f"empty prompt or slot {slot} out of range")
-    sampling = {k: getattr(params, k) for k in _DEVICE_SAMPLING}
-    tok = self.run({"op": "prefill", "prompt": [int(t) for t in prompt], "slot": int(slot),
-                    "sampling": sampling})
-    return _Prefix(tok)
-
-  def insert(self, state, prefix, row: int):
-    self.run({"op": "insert", "row": int(row)})
-    return self.replica
-
-  def step(self, state):
-    return self.replica, self.run({"op": "step"})
-
-  def load_variant(self, slot: int, delta) -> None:
-    if not isinstance(delta, VariantRef):
-      raise TypeError("multi-process serving loads variants by path (a VariantRef)")
-    self.run({"op": "load", "slot": int(slot), "path": delta.path, "adapter": delta.adapter})
-
-  def clear_slot(self, slot: int) -> None:
-    self.run({"op": "clear", "slot": int(slot)})
-
-  def ping(self) -> None:
-    """An empty plan: a dead worker shows up while the server is idle, not at the next
-    request (the engine sends one every `Engine.IDLE_PING_S` when idle)."""
-    self.run({"op": "ping"})
-
-  def close(self) -> None:
-    """Tells the followers to exit (skipped when a worker is already lost)."""
-    if self.lost is not None:
-      return
-    t = threading.Thread(target=self._broadcast, args=({"op": "stop"},),
-                         kwargs={"max_bytes": self.max_plan_bytes}, daemon=True)
-    t.start()
-    t.join(min(self.timeout_s, 30.0))
+  sender = PlanSender(cfg.num_processes - 1)
+  broadcast_json({"build": build, "port": sender.port, "token": sender.token.hex()},
+                 max_bytes=1 << 14)
+  sender.accept(accept_timeout_s)
+  return sender
 
 
 def run_follower(cfg) -> int:
-  """The loop of a process other than 0: receive plans, execute them; returns an exit code.
+  """The loop of a process other than 0: receive plans, make their calls; an exit code.
 
-  Call after `bitdelta_jax.distributed.initialize`. Returns 0 on ``stop``, 1 when the
-  collective with process 0 fails (process 0 died: there is nobody left to serve).
+  Call after `bitdelta_jax.distributed.initialize`. Returns 0 on ``stop``, 1 when the channel
+  to process 0 fails (process 0 died: there is nobody left to serve).
   """
+  from bitdelta_jax.distributed import broadcast_json
   from serving.engine import build_generator
+  from serving.plan_channel import PlanReceiver
 
-  nbytes = plan_bytes(cfg.max_seq_len)
   try:
-    first = broadcast_json(None, max_bytes=nbytes)
+    hello = broadcast_json(None, max_bytes=1 << 14)
+    host = cfg.coordinator.rsplit(":", 1)[0]
+    receiver = PlanReceiver(host, int(hello["port"]), bytes.fromhex(hello["token"]),
+                            cfg.process_id, timeout_s=120.0)
   except Exception as e:  # noqa: BLE001
-    log.error("follower %d: no build plan from process 0: %s", cfg.process_id, e)
+    log.error("follower %d: no plan channel from process 0: %s", cfg.process_id, e)
     return 1
-  if first.get("op") != "build":
-    log.error("follower %d: expected a build plan, got %r", cfg.process_id, first.get("op"))
-    return 1
-  replica = Replica(build_generator(cfg, embedding_slots=first["embedding_slots"],
-                                    lora_rank=first["lora_rank"]))
+  runner = build_generator(cfg, **hello["build"]).runner
   log.info("follower %d: model built; following process 0", cfg.process_id)
+  plans = 0
   while True:
     try:
-      plan = broadcast_json(None, max_bytes=nbytes)
-    except Exception as e:  # noqa: BLE001
+      op, fields = step_plan.decode(receiver.recv())
+    except (OSError, ConnectionError, step_plan.PlanError) as e:
       log.error("follower %d: lost process 0: %s", cfg.process_id, e)
       return 1
-    if plan["op"] == "stop":
-      log.info("follower %d: stop after %d plans", cfg.process_id, replica.ops)
+    if op == "stop":
+      log.info("follower %d: stop after %d plans", cfg.process_id, plans)
       return 0
+    plans += 1
     try:
-      replica.apply(plan)
+      apply(runner, op, fields)
     except Exception as e:  # noqa: BLE001
       if _is_runtime_error(e):
-        log.error("follower %d: %s step failed: %s", cfg.process_id, plan["op"], e)
+        log.error("follower %d: %s failed: %s", cfg.process_id, op, e)
         return 1
-      log.warning("follower %d: %s failed (as on process 0): %s", cfg.process_id, plan["op"], e)
+      log.warning("follower %d: %s failed (as on process 0): %s", cfg.process_id, op, e)
+
+
+def build_options(engine) -> dict:
+  """The model options process 0 derived from the manifests, for `build_generator`."""
+  return json.loads(json.dumps({
+    "embedding_slots": engine.embedding_slots, "lora_rank": engine.lora_rank,
+    "extra_vocab": engine.extra_vocab, "packed_embedding_slots": engine.packed_embedding_slots}))

@@ -24,7 +24,6 @@ def parse(argv):
 def test_defaults_and_derived():
   c = ServerConfig(base="/m/llama-base", max_seq_len=512)
   assert c.model_id == "llama-base"
-  assert c.prefill_buckets == (32, 64, 128, 256, 512)
   assert c.max_prompt_tokens == 511
   assert c.host_cache_bytes == 1 << 30
   with pytest.raises(dataclasses.FrozenInstanceError):
@@ -36,12 +35,17 @@ def test_defaults_and_derived():
   (dict(max_batch=0), "max_batch"), (dict(variants=(("../x", "/d"),)), "variant name"),
   (dict(variants=(("a", "/d"), ("a", "/e"))), "variants"), (dict(pins=("zz",)), "pins"),
   (dict(variants=(("p", "/d"), ("q", "/e")), pins=("p", "q"), device_slots=1), "pins"),
-  (dict(dtype="int8"), "dtype"), (dict(buckets=(4096,)), "buckets"),
+  (dict(dtype="int8"), "dtype"),
   (dict(base_name="x", variants=(("x", "/d"),)), "variants"),
 ])
 def test_invalid_values_name_the_field(kw, field):
   with pytest.raises(ConfigError, match=field):
     ServerConfig(base="/m/b", **kw)
+
+
+def test_a_config_file_with_the_old_buckets_field_says_to_remove_it():
+  with pytest.raises(ConfigError, match="buckets: no longer used.*remove it"):
+    ServerConfig.from_dict({"base": "/m/b", "buckets": [32, 64]})
 
 
 def test_config_file_relative_paths_and_overrides(tmp_path):

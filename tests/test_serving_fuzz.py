@@ -85,7 +85,7 @@ def server(tmp_path_factory):
   base, deltas = synthetic_family(tmp_path_factory.mktemp("fuzz"), n=2)
   cfg = ServerConfig(base=str(base), base_name="base", port=0,
                      variants=tuple((n, str(p)) for n, p in deltas.items()), device_slots=2,
-                     max_batch=4, max_seq_len=48, buckets=(16,), default_max_tokens=4,
+                     max_batch=4, max_seq_len=48, default_max_tokens=4,
                      warmup=False)
   with ServerThread(cfg) as h:
     yield h

@@ -48,7 +48,7 @@ def config(family, **kw) -> ServerConfig:
   base, deltas, _, bad = family
   d = dict(base=str(base), base_name="base", port=0,
            variants=tuple((n, str(p)) for n, p in {**deltas, **bad}.items()),
-           device_slots=1, max_batch=4, max_seq_len=256, buckets=(16,), default_max_tokens=8,
+           device_slots=1, max_batch=4, max_seq_len=256, default_max_tokens=8,
            load_retry_s=0.5, warmup=False)  # compile lazily: only the shapes the tests use
   d.update(kw)
   return ServerConfig(**d)

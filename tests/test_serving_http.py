@@ -43,7 +43,7 @@ def server(family):
     base=str(base), base_name="base", port=0, api_key=KEY,
     variants=tuple((n, str(d)) for n, d in deltas.items()) + (("broken", str(broken)),),
     device_slots=3, pins=("v3",), host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4,
-    max_seq_len=64, buckets=(16, 64), default_max_tokens=16, load_retry_s=0.5,
+    max_seq_len=64, default_max_tokens=16, load_retry_s=0.5,
     max_body_bytes=64 * 1024,
   )
   assert one_delta > 0

@@ -40,7 +40,7 @@ def setup(tmp_path_factory):
   adapter = from_factors(factors)
   save_adapter(adapter, root / "adapter")
   cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=4, max_seq_len=64,
-                     buckets=(16, 64), device_slots=2,
+                     device_slots=2,
                      variants=(("bd", str(deltas["v0"])), ("lora", str(root / "adapter"))))
   with ServerThread(cfg) as h:
     yield h, base, tensors, deltas["v0"], adapter
@@ -50,7 +50,7 @@ def _expected(base_dir, weights, prompts, n):
   """Greedy texts of the materialised model, run alone."""
   tok = Tokenizer.from_dir(base_dir)
   model = from_tensors(load_config(base_dir), weights, jnp.float32)
-  gen = Generator(model, buckets=(32,), max_seq_len=64, max_rows=4, tokenizer=tok)
+  gen = Generator(model, max_seq_len=64, max_rows=4, tokenizer=tok)
   outs = gen.generate([tok.encode(p) for p in prompts], 0, SamplingParams(max_new_tokens=n))
   return {p: tok.decode(o.tokens) for p, o in zip(prompts, outs)}
 

@@ -3,8 +3,8 @@
 equal a single-process, single-device server's; a killed worker must turn into HTTP 503
 ``worker_lost`` within the step timeout, and /health must say ``degraded``.
 
-Also: the plan protocol against fake generators (no JAX), the distributed flags, and the
-single-process ``mesh`` path (ShardedGenerator on this process's one device).
+Also: the plan bytes, the plan channel and the leader's replay against fake runners, the
+distributed flags, and the single-process ``mesh`` path (a 1x1 mesh).
 """
 
 from __future__ import annotations
@@ -67,115 +67,184 @@ def test_distributed_flags_and_config(tmp_path):
       ServerConfig(base="/m/b", **kw)
 
 
-# -- the plan protocol, without JAX ---------------------------------------------------------------
-class FakeGen:
-  """Records calls; ``step`` returns the row count so far as tokens."""
+# -- the plan protocol ------------------------------------------------------------------------
+def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
+  import numpy as np
+
+  from bitdelta_jax.models import step_plan
+  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.models.paged_batch import PagedBatch
+
+  rng = np.random.default_rng(0)
+  fields = {f: rng.integers(0, 99, (4, 8)).astype(np.int32) for f in (
+    "tokens", "positions", "seq", "write_page", "write_offset", "pages", "page_seq",
+    "page_start", "page_fill")}
+  fields.update(slot_ids=np.arange(4, dtype=np.int32), out_index=np.arange(4, dtype=np.int32),
+                out_slot_ids=np.zeros(4, np.int32), keys=rng.integers(0, 2**32, (4, 2),
+                                                                       dtype=np.uint32),
+                key_pos=np.arange(4, dtype=np.int32), temperature=rng.random(4, np.float32),
+                top_p=np.ones(4, np.float32), top_k=np.zeros(4, np.int32),
+                want_logprobs=np.array([True, False, True, False]),
+                score_index=np.zeros(0, np.int32), score_slot_ids=np.zeros(0, np.int32),
+                score_target=np.zeros(0, np.int32))
+  for controls in (None, LogitControls.neutral(4, 100, 16)):
+    batch = PagedBatch(**fields, controls=controls)
+    data = step_plan.encode("run", step_plan.batch_fields(batch, True))
+    op, got = step_plan.decode(data)
+    back, base_only = step_plan.batch_of(got)
+    assert op == "run" and base_only is True
+    for name in fields:
+      a, b = getattr(back, name), getattr(batch, name)
+      assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    if controls is None:
+      assert back.controls is None
+      raw = sum(v.nbytes for v in fields.values())
+      assert len(data) < raw + 40 * len(fields)  # no padding, a few bytes of header per field
+    else:
+      assert all(np.array_equal(getattr(back.controls, k), getattr(controls, k))
+                 for k in ("mask", "history", "repetition"))
+  op, got = step_plan.decode(step_plan.encode("load", {"slot": 3, "path": "/d/v0", "adapter": 0,
+                                                       "x": None}))
+  assert (op, got) == ("load", {"slot": 3, "path": "/d/v0", "adapter": 0, "x": None})
+  good = step_plan.encode("copy", {"src": np.arange(3, dtype=np.int32)})
+  for bad, msg in [(b"JSON" + good[4:], "not a plan"), (good[:-2], "truncated in src"),
+                   (good + b"\0", "1 bytes after"), (step_plan.encode("run", {}), "run plan without")]:
+    with pytest.raises(step_plan.PlanError, match=msg):
+      op, f = step_plan.decode(bad)
+      step_plan.batch_of(f)
+
+
+def test_plan_channel_delivers_in_order_and_refuses_a_wrong_token():
+  import threading
+
+  from serving.plan_channel import PlanReceiver, PlanSender
+
+  sender = PlanSender(2, host="127.0.0.1")
+  got: dict[int, list] = {1: [], 2: []}
+
+  def follower(pid, token):
+    try:
+      r = PlanReceiver("127.0.0.1", sender.port, token, pid, timeout_s=10)
+    except OSError:
+      return
+    try:
+      while True:
+        got[pid].append(r.recv())
+    except ConnectionError:
+      pass
+
+  intruder = threading.Thread(target=follower, args=(1, b"x" * 32))  # refused: wrong token
+  intruder.start()
+  intruder.join(10)
+  threads = [threading.Thread(target=follower, args=(i, sender.token)) for i in (1, 2)]
+  for t in threads:
+    t.start()
+  sender.accept(timeout_s=10)
+  plans = [bytes([i]) * (i * 1000) for i in range(1, 6)]
+  for p in plans:
+    sender.send(p)
+  sender.close()
+  for t in threads:
+    t.join(10)
+  assert got == {1: plans, 2: plans}
+  late = PlanSender(1, host="127.0.0.1")
+  with pytest.raises(TimeoutError, match=r"processes \[1\] did not connect"):
+    late.accept(timeout_s=0.3)
+  late.close()
+
+
+class FakeRunner:
+  """Records calls; ``run`` returns its batch's token count."""
 
   def __init__(self):
-    self.calls, self.max_rows = [], 2
+    self.calls = []
+    self.k_pool = 0
 
-  class model:  # noqa: N801
-    class config:  # noqa: N801
-      num_slots = 3
+  def run(self, batch, base_only):
+    self.calls.append(("run", batch.tokens.shape, base_only))
+    return int(batch.tokens.size)
 
-  def bucket_for(self, n):
-    if n > 16:
-      raise ValueError(f"prompt of {n} tokens exceeds the largest bucket 16")
-    return 16
-
-  def init_state(self):
-    self.calls.append("init")
-    return 0
-
-  def prefill(self, prompt, slot, params):
-    self.calls.append(("prefill", tuple(prompt), slot, params.temperature, params.seed))
-    if slot == 2:
-      raise ValueError("slot 2 is broken")  # deterministic: every process raises it
-
-    class P:
-      token = [len(prompt)]
-    return P()
-
-  def insert(self, state, prefix, row):
-    self.calls.append(("insert", row))
-    return state + 1
-
-  def step(self, state):
-    self.calls.append("step")
-    return state, [state, state]
+  def copy_pages(self, src, dst):
+    self.calls.append(("copy", list(src), list(dst)))
 
   def load_variant(self, slot, delta):
+    if delta == "/broken":
+      raise ValueError("delta /broken is unreadable")  # deterministic: every process raises it
     self.calls.append(("load", slot, delta))
 
   def clear_slot(self, slot):
     self.calls.append(("clear", slot))
 
+  def refresh(self):
+    self.calls.append(("refresh",))
+
+
+def _tiny_batch():
+  import numpy as np
+
+  from bitdelta_jax.models.paged_batch import PagedBatch
+
+  z = np.zeros((1, 4), np.int32)
+  o = np.zeros((1,), np.int32)
+  return PagedBatch(z, z, z, z, z, z, z, z, z, o, o, o, np.zeros((1, 2), np.uint32), o,
+                    np.ones(1, np.float32), np.ones(1, np.float32), o, None, np.zeros(1, bool),
+                    np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+
 
 def test_leader_plans_replay_identically_on_a_follower():
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.models import step_plan
 
   sent = []
-  lead = multihost.LeaderGenerator(multihost.Replica(FakeGen()), timeout_s=5,
-                                   max_plan_bytes=4096,
-                                   broadcast=lambda plan, max_bytes: sent.append(
-                                     json.loads(json.dumps(plan))))
-  st = lead.init_state()
-  pre = lead.prefill([5, 6, 7], 1, SamplingParams(temperature=0.5, seed=3, max_new_tokens=4))
-  assert int(pre.token[0]) == 3
-  st = lead.insert(st, pre, 1)
-  _, toks = lead.step(st)
-  assert list(toks) == [1, 1]
+  lead = multihost.LeaderRunner(FakeRunner(), sent.append, timeout_s=5)
+  assert lead.run(_tiny_batch(), True) == 4
+  lead.copy_pages([3], [7])
   lead.load_variant(2, multihost.VariantRef("/deltas/v0"))
   lead.clear_slot(2)
+  lead.refresh()
   lead.ping()
-  with pytest.raises(ValueError, match="slot 2 is broken"):  # re-raised as is, not "lost"
-    lead.prefill([1], 2)
-  with pytest.raises(ValueError, match="largest bucket"):  # checked before broadcasting
-    lead.prefill(list(range(20)), 1)
-  with pytest.raises(ValueError, match="exceeds 4096 bytes"):  # refused before broadcasting
-    lead.load_variant(1, multihost.VariantRef("/" + "d" * 5000))
+  with pytest.raises(ValueError, match="unreadable"):  # re-raised as is, not "lost"
+    lead.load_variant(1, multihost.VariantRef("/broken"))
   with pytest.raises(TypeError, match="by path"):
     lead.load_variant(1, {"w": 1})
-  assert lead.lost is None and lead.max_rows == 2
-  follower = multihost.Replica(FakeGen())
-  for plan in sent:
+  assert lead.lost is None and lead.k_pool == 0  # attributes come from the runner
+  follower = FakeRunner()
+  for data in sent:
+    op, fields = step_plan.decode(data)
     try:
-      follower.apply(plan)
+      multihost.apply(follower, op, fields)
     except ValueError:
       pass
-  assert follower.gen.calls == lead.replica.gen.calls
-  assert ("load", 2, "/deltas/v0") in follower.gen.calls
-  assert [p["op"] for p in sent] == ["init", "prefill", "insert", "step", "load", "clear", "ping",
-                                     "prefill"]
+  assert follower.calls == lead.runner.calls
+  assert ("load", 2, "/deltas/v0") in follower.calls
+  assert [step_plan.decode(d)[0] for d in sent] == ["run", "copy", "load", "clear", "refresh",
+                                                   "ping", "load"]
+  assert lead.plans == 7 and lead.plan_bytes == sum(map(len, sent))
 
 
 def test_leader_times_out_then_fails_fast():
-  def slow(plan, max_bytes):
-    if plan["op"] == "step":
+  def slow(data):
+    if data.startswith(b"BDP1\x03run"):
       time.sleep(5)  # a collective whose peer is gone
 
-  lead = multihost.LeaderGenerator(multihost.Replica(FakeGen()), timeout_s=0.3,
-                                   max_plan_bytes=4096, broadcast=slow)
-  assert lead.first_call_timeout_s == 300  # the first call of a kind compiles
+  lead = multihost.LeaderRunner(FakeRunner(), slow, timeout_s=0.3)
+  assert lead.first_call_timeout_s == 300  # the first call of a shape compiles
   lead.first_call_timeout_s = 0.3
-  st = lead.init_state()
   t0 = time.perf_counter()
-  with pytest.raises(WorkerLost, match="step did not finish within 0.3 s"):
-    lead.step(st)
+  with pytest.raises(WorkerLost, match="run did not finish within 0.3 s"):
+    lead.run(_tiny_batch(), False)
   assert time.perf_counter() - t0 < 2
   assert "worker process was lost" in lead.lost
   t0 = time.perf_counter()
   with pytest.raises(WorkerLost, match="worker process was lost"):
-    lead.init_state()  # at once, without another collective
+    lead.ping()  # at once, without another plan
   assert time.perf_counter() - t0 < 0.1
 
-  def broken(plan, max_bytes):
-    raise RuntimeError("Gloo all-reduce failed: Connection closed by peer")
+  def broken(data):
+    raise ConnectionResetError("Connection reset by peer")
 
-  lead = multihost.LeaderGenerator(multihost.Replica(FakeGen()), timeout_s=5,
-                                   max_plan_bytes=4096, broadcast=broken)
-  with pytest.raises(WorkerLost, match="Connection closed by peer"):
-    lead.init_state()
+  lead = multihost.LeaderRunner(FakeRunner(), broken, timeout_s=5)
+  with pytest.raises(WorkerLost, match="Connection reset by peer"):
+    lead.ping()
 
 
 # -- real servers -------------------------------------------------------------------------------
@@ -185,7 +254,7 @@ def family(tmp_path_factory):
   base, deltas = synthetic_family(root, n=3)
   cfg = ServerConfig(base=str(base), base_name="base", variants=tuple(
     (n, str(d)) for n, d in deltas.items()), device_slots=2, max_batch=4, max_seq_len=64,
-    buckets=(32,), default_max_tokens=8, port=0)
+    default_max_tokens=8, port=0)
   return root, cfg
 
 

@@ -34,7 +34,7 @@ def family(tmp_path_factory):
 def server(family):
   base, deltas = family
   cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=8, max_seq_len=160,
-                     buckets=(32, 64), default_max_tokens=8,
+                     default_max_tokens=8,
                      variants=(("v0", str(deltas["v0"])),), device_slots=1)
   with ServerThread(cfg) as h:
     yield h

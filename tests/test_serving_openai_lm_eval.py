@@ -76,7 +76,7 @@ def setup(tmp_path_factory):
     data.write_text("".join(json.dumps(d) + "\n" for d in docs))
     (tasks / f"{name}.yaml").write_text(yaml.format(data=data))
   cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=4, max_seq_len=128,
-                     buckets=(32, 64), default_max_tokens=16)
+                     default_max_tokens=16)
   with ServerThread(cfg) as h:
     yield h, base, tasks
 

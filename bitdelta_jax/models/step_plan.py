@@ -1,0 +1,138 @@
+"""Runner calls as compact bytes: what process 0 sends the other processes of a server.
+
+    data = encode("run", batch_fields(batch, base_only))    # bytes, ~1 KB for a decode step
+    op, fields = decode(data)
+    batch, base_only = batch_of(fields)
+
+A plan is an operation name and named fields, each None, an int, a str or a numpy array (its
+dtype, shape and raw bytes; no padding to a fixed size, no JSON). `PagedBatch` travels as its
+fields; its ``controls`` as ``controls.<field>``, or not at all when the batch uses the
+runner's neutral controls. Layout (little-endian)::
+
+    b"BDP1" | u8 len(op) | op | u16 entries | entries
+    entry: u8 len(name) | name | u8 kind | payload
+      kind 0 None; 1 int: i64; 2 str: u32 len | utf-8
+      kind 3 array: u8 dtype code | u8 ndim | u32 dims... | raw bytes (C order)
+
+`decode` checks every length against the buffer and names what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+MAGIC = b"BDP1"
+_DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(np.bool_),
+           np.dtype(np.uint8), np.dtype(np.int64), np.dtype(np.float64), np.dtype(np.int8))
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_NONE, _INT, _STR, _ARRAY = range(4)
+
+
+class PlanError(ValueError):
+  """Bytes that are not a well-formed plan."""
+
+
+def encode(op: str, fields: Mapping[str, object] | None = None) -> bytes:
+  """``op`` and ``fields`` as bytes (see the module docstring)."""
+  out = [MAGIC, _name(op)]
+  fields = fields or {}
+  out.append(struct.pack("<H", len(fields)))
+  for name, v in fields.items():
+    out.append(_name(name))
+    if v is None:
+      out.append(bytes([_NONE]))
+    elif isinstance(v, bool | int | np.integer):
+      out.append(struct.pack("<Bq", _INT, int(v)))
+    elif isinstance(v, str):
+      raw = v.encode()
+      out.append(struct.pack("<BI", _STR, len(raw)) + raw)
+    else:
+      a = np.ascontiguousarray(v)
+      if a.dtype not in _CODE:
+        raise TypeError(f"plan field {name!r}: dtype {a.dtype} cannot be sent")
+      out.append(struct.pack(f"<BBB{a.ndim}I", _ARRAY, _CODE[a.dtype], a.ndim, *a.shape))
+      out.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+  return b"".join(out)
+
+
+def decode(data: bytes) -> tuple[str, dict[str, object]]:
+  """The (op, fields) of ``encode``; `PlanError` on malformed bytes."""
+  buf = memoryview(data)
+  if bytes(buf[:4]) != MAGIC:
+    raise PlanError(f"not a plan (starts with {bytes(buf[:4])!r}, expected {MAGIC!r})")
+  pos = 4
+
+  def take(n: int, what: str) -> memoryview:
+    nonlocal pos
+    if pos + n > len(buf):
+      raise PlanError(f"plan truncated in {what} (needs {pos + n} bytes, has {len(buf)})")
+    pos += n
+    return buf[pos - n : pos]
+
+  def name(what: str) -> str:
+    return bytes(take(take(1, what)[0], what)).decode()
+
+  op = name("the op")
+  fields: dict[str, object] = {}
+  for _ in range(struct.unpack("<H", take(2, "the entry count"))[0]):
+    key = name("a field name")
+    kind = take(1, key)[0]
+    if kind == _NONE:
+      fields[key] = None
+    elif kind == _INT:
+      fields[key] = struct.unpack("<q", take(8, key))[0]
+    elif kind == _STR:
+      fields[key] = bytes(take(struct.unpack("<I", take(4, key))[0], key)).decode()
+    elif kind == _ARRAY:
+      code, ndim = take(2, key)
+      if code >= len(_DTYPES):
+        raise PlanError(f"field {key!r}: unknown dtype code {code}")
+      shape = struct.unpack(f"<{ndim}I", take(4 * ndim, key))
+      dtype = _DTYPES[code]
+      raw = take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, key)
+      fields[key] = np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+    else:
+      raise PlanError(f"field {key!r}: unknown kind {kind}")
+  if pos != len(buf):
+    raise PlanError(f"{len(buf) - pos} bytes after the last field")
+  return op, fields
+
+
+def _name(s: str) -> bytes:
+  raw = s.encode()
+  if len(raw) > 255:
+    raise ValueError(f"plan name {s[:40]!r}... is longer than 255 bytes")
+  return bytes([len(raw)]) + raw
+
+
+# -- the paged engine's batches -------------------------------------------------------------------
+def batch_fields(batch, base_only: bool) -> dict[str, object]:
+  """A `PagedBatch` of host arrays (controls None or host arrays) as plan fields."""
+  out: dict[str, object] = {"base_only": int(bool(base_only))}
+  for f in dataclasses.fields(batch):
+    v = getattr(batch, f.name)
+    if f.name == "controls":
+      if v is not None:
+        out.update({f"controls.{c.name}": np.asarray(getattr(v, c.name))
+                    for c in dataclasses.fields(v)})
+    else:
+      out[f.name] = np.asarray(v)
+  return out
+
+
+def batch_of(fields: Mapping[str, object]):
+  """(`PagedBatch`, base_only) from `batch_fields`' output."""
+  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.models.paged_batch import PagedBatch
+
+  ctl = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("controls.")}
+  names = [f.name for f in dataclasses.fields(PagedBatch) if f.name != "controls"]
+  missing = [n for n in names if n not in fields]
+  if missing:
+    raise PlanError(f"run plan without {', '.join(missing)}")
+  controls = LogitControls(**ctl) if ctl else None
+  return PagedBatch(**{n: fields[n] for n in names}, controls=controls), bool(fields["base_only"])
