@@ -254,7 +254,7 @@ def family(tmp_path_factory):
   base, deltas = synthetic_family(root, n=3)
   cfg = ServerConfig(base=str(base), base_name="base", variants=tuple(
     (n, str(d)) for n, d in deltas.items()), device_slots=2, max_batch=4, max_seq_len=64,
-    default_max_tokens=8, port=0)
+    default_max_tokens=8, port=0, prefill_chunk=16)
   return root, cfg
 
 
@@ -263,8 +263,49 @@ def reference(family):
   """Answers of a single-process, single-device server (no mesh)."""
   with ServerThread(family[1]) as ref:
     want = _answers(ref.url, parallel=False)
+    rich = _rich(ref.url)
   assert len({w[0] for w in want}) > 4  # the variants differ from the base and each other
-  return want
+  return want, rich
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0,
+                                                 "maximum": 99}},
+          "required": ["a"], "additionalProperties": False}
+LONG = " ".join(["the quick brown fox"] * 2)  # 39 tokens: three prefill chunks of 16
+
+
+def _rich(url) -> list:
+  """What the fixed-row engine refused: n choices with log probabilities (sampled, seeded),
+  echo, penalties and bias, a JSON schema, and a prompt longer than one prefill chunk."""
+  bodies = [
+    {"model": "v0", "prompt": "hello", "n": 2, "logprobs": 2, "temperature": 0.8, "seed": 5},
+    {"model": "v1", "prompt": "The quick", "echo": True, "logprobs": 1, "max_tokens": 3,
+     "temperature": 0},
+    {"model": "v2", "prompt": LONG, "temperature": 0, "presence_penalty": 0.5,
+     "logit_bias": {"5": -100}},
+    {"model": "base", "prompt": "x", "temperature": 0, "max_tokens": 24,
+     "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}},
+  ]
+  with concurrent.futures.ThreadPoolExecutor(len(bodies)) as ex:  # in one batch
+    rs = list(ex.map(lambda b: requests.post(url + "/v1/completions", json={
+      "max_tokens": 8, "ignore_eos": True, **b}, timeout=120), bodies))
+  out = []
+  for r in rs:
+    assert r.status_code == 200, r.text
+    out.append([(c["text"], c["finish_reason"], (c.get("logprobs") or {}).get("token_logprobs"))
+                for c in r.json()["choices"]])
+  return out
+
+
+def _same_rich(got, want):
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    assert [c[:2] for c in g] == [c[:2] for c in w]
+    for cg, cw in zip(g, w):
+      if cw[2] is not None:
+        assert len(cg[2]) == len(cw[2])
+        for a, b in zip(cg[2], cw[2]):
+          assert (a is None and b is None) or abs(a - b) < 1e-3, (cg, cw)
 
 
 def _complete(url, model, prompt, **kw):
@@ -324,10 +365,12 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
   url = f"http://127.0.0.1:{http_port}"
   procs, logs = _start_pair(root, cfg, http_port)
   try:
-    want = request.getfixturevalue("reference")  # computed here while the pair starts
+    want, rich = request.getfixturevalue("reference")  # computed here while the pair starts
     _wait_healthy(url, procs, logs)
     assert requests.get(url + "/health").json()["processes"] == 2
     assert _answers(url, parallel=True) == want
+    _same_rich(_rich(url), rich)
+    assert json.loads(rich[3][0][0])["a"] in range(100)  # the schema held
     variants = requests.get(url + "/v1/variants").json()
     assert sum(v["loads"] for v in variants["data"]) >= 3  # 3 variants through 2 slots
 
@@ -368,10 +411,11 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
 
 def test_single_process_mesh_serves_like_one_device(family, reference):
   """``mesh`` in one process: the paged engine, base restored into its shardings, variants
-  loaded from in-memory deltas (this process has one device: a 1x1 mesh), and what the
-  fixed-row engine refused (n, logprobs) is served."""
+  loaded from in-memory deltas (this process has one device: a 1x1 mesh)."""
+  reference, rich = reference
   with ServerThread(family[1].replace(mesh="data=1,model=1")) as one:
     assert _answers(one.url, parallel=True) == reference
+    _same_rich(_rich(one.url), rich)
     assert requests.get(one.url + "/health").json()["status"] == "ok"
     m, p = REQUESTS[1]
     r = requests.post(one.url + "/v1/completions", json={
