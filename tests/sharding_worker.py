@@ -30,8 +30,8 @@ from bitdelta_jax import sharding  # noqa: E402
 from bitdelta_jax.delta.compress import Dense  # noqa: E402
 from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
-from bitdelta_jax.models.generate import Generator  # noqa: E402
 from bitdelta_jax.models.layers import DeltaDense, SlotBank  # noqa: E402
+from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
 from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
 from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
 
@@ -72,44 +72,12 @@ def prompts_batch(rng):
   return ids, lengths
 
 
-def run_forward(prefill, decode, to_cache, ids, lengths, slot_ids, max_len=24, steps=3):
-  """Prefill a batch, copy into a cache, decode ``steps`` greedy steps; logits per step."""
-  logits, k, v = prefill(ids, lengths, slot_ids)
-  out = {"prefill": np.asarray(logits), "k": np.asarray(k)}
-  b = ids.shape[0]
-  shape = (CFG.num_layers, b, max_len, CFG.num_kv_heads, CFG.head_dim)
-  kc = np.zeros(shape, np.float32)
-  vc = np.zeros(shape, np.float32)
-  kc[:, :, :16], vc[:, :, :16] = np.asarray(k), np.asarray(v)
-  kc, vc = to_cache(kc), to_cache(vc)
-  pos, tok = lengths.copy(), np.asarray(logits).argmax(-1).astype(np.int32)
-  for i in range(steps):
-    logits, kc, vc = decode(tok, pos, slot_ids, kc, vc)
-    out[f"decode{i}"] = np.asarray(logits)
-    tok, pos = np.asarray(logits).argmax(-1).astype(np.int32), pos + 1
-  return out
-
-
-class _Plain:
-  def __init__(self, model):
-    g, s = nnx.split(model)
-    self.s = s
-    self.p = jax.jit(lambda s, *a: nnx.merge(g, s).prefill(*a))
-    self.d = jax.jit(lambda s, *a: nnx.merge(g, s).decode(*a))
-
-  def prefill(self, *a):
-    return self.p(self.s, *a)
-
-  def decode(self, *a):
-    return self.d(self.s, *a)
-
-
-def u8_all_gathers(sm: sharding.ShardedModel, b: int) -> int:
-  """all-gather ops on uint8 (delta bits) in the compiled decode step."""
-  kv = jax.ShapeDtypeStruct((CFG.num_layers, b, 24, CFG.num_kv_heads, CFG.head_dim), jnp.float32)
-  i32 = jax.ShapeDtypeStruct((b,), jnp.int32)
-  txt = sm._decode_fn(b).lower(sm.state, i32, i32, i32, kv, kv).compile().as_text()
-  return sum(1 for line in txt.splitlines() if "all-gather" in line and "u8[" in line)
+def forward(model, ids, slot_ids) -> np.ndarray:
+  """Full-sequence logits ``[B, T, V]`` of ``model`` wherever its state lives (one device or
+  sharded: the delta matmuls then run per shard)."""
+  g, state = nnx.split(model)
+  fn = jax.jit(lambda st, i, sl: nnx.merge(g, st)(i, slot_ids=sl))
+  return np.asarray(fn(state, jnp.asarray(ids), jnp.asarray(slot_ids, jnp.int32)))
 
 
 def equivalence(meshes: list[str]) -> dict:
@@ -120,16 +88,13 @@ def equivalence(meshes: list[str]) -> dict:
   variants = {s: variant(ref_model, s) for s in (1, 2, 3)}
   for s, d in variants.items():
     load_variant(ref_model, s, d)
-  plain = _Plain(ref_model)
-  ref = run_forward(plain.prefill, plain.decode, jnp.asarray, ids, lengths, slot_ids)
-  base_only = run_forward(plain.prefill, plain.decode, jnp.asarray, ids, lengths,
-                          np.zeros(8, np.int32), steps=0)
-  prompts = [list(r[:n]) for r, n in zip(ids, lengths)]
+  ref = {"logits": forward(ref_model, ids, slot_ids)}
+  base_only = forward(ref_model, ids, np.zeros(8, np.int32))
+  prompts = [list(map(int, r[:n])) for r, n in zip(ids, lengths)]
   gp = SamplingParams(max_new_tokens=6)
-  ref_gen = Generator(ref_model, buckets=(16,), max_seq_len=32, max_rows=8)
+  ref_gen = PagedGenerator(ref_model, max_rows=8, max_seq_len=32, page_size=4)
   ref_tokens = [g.tokens for g in ref_gen.generate(prompts, SLOTS, gp)]
-  report = {"variant_effect": float(np.abs(ref["prefill"] - base_only["prefill"]).max()),
-            "meshes": {}}
+  report = {"variant_effect": float(np.abs(ref["logits"] - base_only).max()), "meshes": {}}
   for spec in meshes:
     d, m = (int(x) for x in spec.split("x"))
     t0 = time.perf_counter()
@@ -138,10 +103,8 @@ def equivalence(meshes: list[str]) -> dict:
     plan = sharding.shard_model(model, mesh)
     for s, dl in variants.items():
       sharding.load_variant_sharded(model, s, dl)
-    sm = sharding.ShardedModel(model, mesh)
-    out = run_forward(sm.prefill, sm.decode, lambda a, sm=sm: jax.device_put(
-      a, sm.kv_sharding(8)), ids, lengths, slot_ids)
-    gen = sharding.ShardedGenerator(model, mesh, buckets=(16,), max_seq_len=32, max_rows=8)
+    out = {"logits": forward(model, ids, slot_ids)}
+    gen = PagedGenerator(model, max_rows=8, max_seq_len=32, page_size=4, mesh=mesh)
     toks = [g.tokens for g in gen.generate(prompts, SLOTS, gp)]
     bits_frac = {}
     for path, node in nnx.iter_graph(model):
@@ -158,8 +121,6 @@ def equivalence(meshes: list[str]) -> dict:
       "notes": plan.notes,
       "bits_shard_fraction": bits_frac,
       "bank_bytes_per_device": sharding.per_device_bytes(banks),
-      "u8_all_gathers_in_decode": u8_all_gathers(sm, 8),
-      "kv_spec": str(gen._state_sh.k.spec),
       "seconds": time.perf_counter() - t0,
     }
   report["ref_tokens"] = ref_tokens
@@ -196,8 +157,8 @@ def restore(meshes: list[str]) -> dict:
   load_variant(ref, 1, load_delta(tmp / "delta")[0])
   ref_state = {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(ref))}
   ids = np.arange(3, 19, dtype=np.int32)[None].repeat(2, 0)
-  lens, slots = np.asarray([16, 10], np.int32), np.asarray([1, 0], np.int32)
-  ref_logits = np.asarray(_Plain(ref).prefill(ids, lens, slots)[0])
+  slots = np.asarray([1, 0], np.int32)
+  ref_logits = forward(ref, ids, slots)
   report = {}
   for spec in meshes:
     d, m = (int(x) for x in spec.split("x"))
@@ -240,7 +201,7 @@ def restore(meshes: list[str]) -> dict:
       if not np.array_equal(np.asarray(v.get_value()), np.asarray(w.get_value()))
       or v.get_value().sharding != w.get_value().sharding
     ]
-    logits = np.asarray(sharding.ShardedModel(model, mesh).prefill(ids, lens, slots)[0])
+    logits = forward(model, ids, slots)
     per_dev = sharding.per_device_bytes(state)
     report[spec] = {
       "value_mismatch": mismatch,
@@ -256,78 +217,13 @@ def restore(meshes: list[str]) -> dict:
   return report
 
 
-def multihost(a) -> dict:
-  """One of N processes (4 CPU devices each, gloo): sharded generation over the global mesh;
-  process 0 also runs the unsharded reference on its own first device. With ``--kill``,
-  process 1 then exits abruptly and process 0 times a step that cannot complete."""
-  from bitdelta_jax import distributed
-
-  cfg = distributed.DistributedConfig(a.coordinator, a.num_processes, a.process_id,
-                                      init_timeout_s=60, heartbeat_timeout_s=60)
-  distributed.initialize(cfg)
-  rng = np.random.default_rng(0)
-  ids, lengths = prompts_batch(rng)
-  prompts = [list(map(int, r[:n])) for r, n in zip(ids, lengths)]
-  # Process 0 decides the batch plan; every process receives it through a collective.
-  plan = distributed.broadcast_json(
-    {"prompts": prompts, "slots": SLOTS} if jax.process_index() == 0 else None)
-  gp = SamplingParams(max_new_tokens=6)
-  ref_model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
-  variants = {s: variant(ref_model, s) for s in (1, 2, 3)}
-  rep = {"process": jax.process_index(), "processes": jax.process_count(),
-         "local_devices": jax.local_device_count(), "devices": jax.device_count()}
-  if jax.process_index() == 0:
-    local = jax.local_devices()[0]
-    with jax.default_device(local):
-      for s, d in variants.items():
-        load_variant(ref_model, s, d)
-      ref_gen = Generator(ref_model, buckets=(16,), max_seq_len=32, max_rows=8)
-      rep["ref_tokens"] = [g.tokens for g in ref_gen.generate(plan["prompts"], plan["slots"], gp)]
-  mesh = sharding.make_mesh(a.mesh)
-  model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
-  sharding.shard_model(model, mesh)
-  gen = sharding.ShardedGenerator(model, mesh, buckets=(16,), max_seq_len=32, max_rows=8)
-  for s, d in variants.items():
-    gen.load_variant(s, d)
-  rep["tokens"] = [g.tokens for g in gen.generate(plan["prompts"], plan["slots"], gp)]
-  from jax.experimental import multihost_utils
-
-  state = gen.init_state()
-  multihost_utils.sync_global_devices("generated")
-  if a.kill:
-    if jax.process_index() == 1:
-      pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
-      time.sleep(1)  # let process 0's side of the barrier finish
-      os._exit(0)  # then the worker dies without a word
-    time.sleep(3)
-    t0 = time.perf_counter()
-    try:
-      distributed.run_with_timeout(gen.step, state, timeout_s=a.step_timeout)
-      rep["worker_lost"] = None
-    except distributed.WorkerLost as e:
-      rep["worker_lost"] = str(e)
-    rep["detect_s"] = time.perf_counter() - t0
-  return rep
-
-
 def main():
   ap = argparse.ArgumentParser()
-  ap.add_argument("mode", choices=["equivalence", "restore", "multihost"])
+  ap.add_argument("mode", choices=["equivalence", "restore"])
   ap.add_argument("out")
   ap.add_argument("--meshes", nargs="+", default=["1x8", "2x4", "8x1"])
-  ap.add_argument("--mesh", default="data=2,model=4")
-  ap.add_argument("--coordinator")
-  ap.add_argument("--num-processes", type=int, default=1)
-  ap.add_argument("--process-id", type=int, default=0)
-  ap.add_argument("--kill", action="store_true")
-  ap.add_argument("--step-timeout", type=float, default=10.0)
   a = ap.parse_args()
   t0 = time.perf_counter()
-  if a.mode == "multihost":
-    rep = multihost(a)
-    rep["seconds_total"] = time.perf_counter() - t0
-    pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
-    os._exit(0)  # skip jax.distributed shutdown: a dead peer would make it wait
   rep = equivalence(a.meshes) if a.mode == "equivalence" else restore(a.meshes)
   rep["devices"] = jax.device_count()
   rep["seconds_total"] = time.perf_counter() - t0

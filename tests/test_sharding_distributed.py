@@ -1,15 +1,10 @@
-"""bitdelta_jax.distributed: two processes on loopback (4 CPU devices each, gloo collectives)
-generate over one global 2x4 mesh and must match a single-process, single-device run; then one
-worker dies and process 0 must get a clear `WorkerLost` within a bounded time."""
+"""bitdelta_jax.distributed: its flags and the step watchdog. Two real processes over one
+global mesh (the same answers as one device; a dead worker gives 503s) are tested through the
+server in tests/test_serving_multihost.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -49,39 +44,3 @@ def test_run_with_timeout():
 
   with pytest.raises(distributed.WorkerLost, match="failed: Connection closed by peer"):
     distributed.run_with_timeout(boom, timeout_s=5)
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def test_two_processes_match_single_process_and_survive_worker_death(tmp_path):
-  port = _free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", BITDELTA_CPU_THREADS="1")
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(WORKER), "multihost", str(tmp_path / f"p{i}.json"), "--coordinator",
-       f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--mesh",
-       "data=2,model=4", "--kill", "--step-timeout", "20"],
-      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for i in range(2)
-  ]
-  try:
-    logs = [p.communicate(timeout=400)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for p, log in zip(procs, logs):
-    assert p.returncode == 0, log[-4000:]
-  p0 = json.loads((tmp_path / "p0.json").read_text())
-  assert (p0["processes"], p0["local_devices"], p0["devices"]) == (2, 4, 8)
-  p1 = json.loads((tmp_path / "p1.json").read_text())
-  assert p1["process"] == 1
-  assert p0["tokens"] == p0["ref_tokens"]  # reference: one process, one device, unsharded
-  assert p1["tokens"] == p0["ref_tokens"]
-  assert p0["worker_lost"], "process 0 did not notice the dead worker"
-  assert p0["detect_s"] < 20 + 5

@@ -10,8 +10,7 @@ import pytest
 from bitdelta_jax.cli import main
 from bitdelta_jax.delta.format import PackedDelta
 from bitdelta_jax.delta.store import load_delta, read_manifest
-from bitdelta_jax.models import from_pretrained
-from bitdelta_jax.models.generate import Generator
+from bitdelta_jax.models import Generator, from_pretrained
 from bitdelta_jax.models.sampling import SamplingParams
 from bitdelta_jax.models.slots import load_variant
 from bitdelta_jax.zoo import shipped_family
@@ -94,7 +93,7 @@ def test_teacher_forced_exact_match_equals_greedy_decoding(micro):
   model = from_pretrained(ft_dir, dtype=jnp.float32)
   held = TASKS["nano-math"].heldout(24)
   tok = build_tokenizer()
-  gen = Generator(model, buckets=(32,), max_seq_len=48, max_rows=8)
+  gen = Generator(model, max_rows=8, max_seq_len=48)
   outs = gen.generate([encode_prompt(p) for p, _ in held], 0,
                       SamplingParams(max_new_tokens=6, stop_token_ids=(EOS,)))
   greedy = [tok.decode(o.tokens) == a and o.finish_reason == "stop" for o, (_, a) in

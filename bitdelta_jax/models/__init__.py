@@ -3,31 +3,35 @@
     from bitdelta_jax.models import Generator, SamplingParams, from_pretrained, load_variant
     model = from_pretrained("path/to/hf_dir", dtype=jnp.bfloat16, num_slots=4)
     load_variant(model, 1, delta_dict)          # slot 1 ← a variant (no recompilation)
-    gen = Generator(model, buckets=(32, 128, 512), max_seq_len=1024, max_rows=8)
+    gen = Generator(model, max_rows=8, max_seq_len=1024)
     gen.generate([[1, 2, 3]], slot_ids=[1], params=SamplingParams(max_new_tokens=16))
 
 Modules: `config` (ModelConfig), `layers` (DeltaDense, slot banks), `llama` (the decoder),
-`loading` (from_pretrained), `slots` (load_variant / clear_slot), `sampling`, `generate`
-(prefill / insert / step, Generator), `tokenizer` (tokenizer.json + chat template).
+`loading` (from_pretrained), `slots` (load_variant / clear_slot), `sampling`, `paged` (the
+one engine's scheduler: `PagedGenerator`, also exported as `Generator`), `paged_runner` (its
+device side), `paged_batch` (one call's data), `kv_pages`, `tokenizer` (tokenizer.json + chat
+template).
 """
 
 from bitdelta_jax.models.config import ConfigError, ModelConfig, RopeConfig
-from bitdelta_jax.models.generate import DecodeState, Generation, Generator, Prefix
 from bitdelta_jax.models.layers import DeltaDense, SlotBank
 from bitdelta_jax.models.llama import LlamaForCausalLM
 from bitdelta_jax.models.loading import base_tensors, from_pretrained, from_tensors, load_config
+from bitdelta_jax.models.paged import PagedGenerator
+from bitdelta_jax.models.paged_batch import Generation
 from bitdelta_jax.models.sampling import SamplingParams
 from bitdelta_jax.models.slots import clear_slot, load_lora, load_variant, slot_bank_bytes
 from bitdelta_jax.models.tokenizer import Tokenizer
+
+Generator = PagedGenerator  # the public name of the one engine's offline interface
 
 __all__ = [
   "ConfigError",
   "ModelConfig",
   "RopeConfig",
-  "DecodeState",
   "Generation",
   "Generator",
-  "Prefix",
+  "PagedGenerator",
   "DeltaDense",
   "SlotBank",
   "LlamaForCausalLM",

@@ -223,46 +223,6 @@ class LlamaForCausalLM(nnx.Module):
     h = self._hidden(ids, positions, slot_ids, self._self_attend(ids, valid, None))
     return self._logits(h, slot_ids)
 
-  def prefill(
-    self, input_ids: jax.Array, lengths: jax.Array, slot_ids: jax.Array | None = None
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Right-padded prompts ``[B, T]`` → (f32 logits at ``lengths-1`` ``[B, V]``, k, v)."""
-    ids = jnp.asarray(input_ids, jnp.int32)
-    b, t = ids.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    kv: list = []
-    h = self._hidden(ids, positions, slot_ids, self._self_attend(ids, None, kv))
-    last = jnp.take_along_axis(h, (lengths.astype(jnp.int32) - 1)[:, None, None], axis=1)
-    logits = self._logits(last, slot_ids)[:, 0]
-    k = jnp.stack([a for a, _ in kv])
-    v = jnp.stack([c for _, c in kv])
-    return logits, k, v
-
-  def decode(
-    self,
-    tokens_B: jax.Array,
-    positions_B: jax.Array,
-    slot_ids: jax.Array | None,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One step: writes each row's k/v at its position, attends over the cache."""
-    b = tokens_B.shape[0]
-    max_len = k_cache.shape[2]
-    pos = positions_B.astype(jnp.int32)
-    rows = jnp.arange(b)
-    kpos = jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32)[None], (b, max_len))
-    masks = {w: causal_mask(pos[:, None], kpos, w) for w in set(self.config.layer_windows)}
-    cache = {"k": k_cache, "v": v_cache}
-
-    def attend(i, q, k, v):
-      cache["k"] = cache["k"].at[i, rows, pos].set(k[:, 0].astype(k_cache.dtype))
-      cache["v"] = cache["v"].at[i, rows, pos].set(v[:, 0].astype(v_cache.dtype))
-      return attention(q, cache["k"][i], cache["v"][i], masks[self.config.layer_windows[i]])
-
-    h = self._hidden(tokens_B[:, None].astype(jnp.int32), pos[:, None], slot_ids, attend)
-    return self._logits(h, slot_ids)[:, 0], cache["k"], cache["v"]
-
   def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False,
                     kv_sharding=None):
     """New tokens over a paged KV cache; see `bitdelta_jax.models.paged.PagedBatch`.

@@ -54,14 +54,15 @@ from collections.abc import Sequence
 import numpy as np
 
 from bitdelta_jax.models.controls import LogitControls
-from bitdelta_jax.models.generate import Generation, per_request
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
 from bitdelta_jax.models.paged_batch import (
+  Generation,
   PagedBatch,
   Seq,
   StepResult,
   fill_masks,
   finish_reason,
+  per_request,
   prng_key,
 )
 from bitdelta_jax.models.paged_runner import PagedRunner
@@ -539,7 +540,10 @@ class PagedGenerator:
     slot_ids: Sequence[int] | int | None = None,
     params: SamplingParams | Sequence[SamplingParams] | None = None,
   ) -> list[Generation]:
-    """Generates for every prompt; stops as in `bitdelta_jax.models.generate.Generator`."""
+    """Generates for every prompt and applies the stops on the host: stop token ids (the stop
+    token is not returned), stop strings (needs a tokenizer; the text is cut before the stop
+    string, the tokens keep the one that completed it), ``max_new_tokens`` and
+    ``max_seq_len`` (``finish_reason`` "stop" or "length")."""
     n = len(prompts)
     slots, plist = per_request(prompts, slot_ids, params, self.tokenizer)
     self.refresh()

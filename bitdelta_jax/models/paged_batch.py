@@ -11,6 +11,7 @@ host-side stops.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -192,3 +193,30 @@ def finish_reason(s: Seq, max_seq_len: int, tokenizer=None):
   if len(gen) >= p.max_new_tokens or len(s.tokens) >= max_seq_len:
     return "length", list(gen), text
   return None
+
+
+@dataclasses.dataclass
+class Generation:
+  """One prompt's result of `PagedGenerator.generate`."""
+
+  tokens: list[int]
+  finish_reason: str  # "stop" | "length"
+  text: str | None = None
+  prompt_len: int = 0
+
+
+def per_request(prompts, slot_ids, params, tokenizer) -> tuple[list[int], list[SamplingParams]]:
+  """``generate``'s arguments as one slot id and one `SamplingParams` per prompt."""
+  n = len(prompts)
+  if slot_ids is None:
+    slots = [0] * n
+  elif isinstance(slot_ids, int):
+    slots = [slot_ids] * n
+  else:
+    slots = list(slot_ids)
+  plist = [params or SamplingParams()] * n if not isinstance(params, Sequence) else list(params)
+  if len(slots) != n or len(plist) != n:
+    raise ValueError("slot_ids and params must have one entry per prompt")
+  if any(p.stop_strings for p in plist) and tokenizer is None:
+    raise ValueError("stop_strings need a tokenizer (Generator(..., tokenizer=...))")
+  return slots, plist

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-from bitdelta_jax.sharding.mesh import DATA, MODEL
+from bitdelta_jax.sharding.mesh import MODEL
 
 log = logging.getLogger(__name__)
 
@@ -188,19 +188,6 @@ def kv_heads_axis(cfg, axis_sizes: Mapping[str, int]) -> str | None:
   """The mesh axis a KV cache's kv-head dimension is split over: ``model`` when it divides the
   kv heads, else None (GQA with fewer kv heads than ``model`` replicates them)."""
   return MODEL if cfg.num_kv_heads % int(axis_sizes.get(MODEL, 1)) == 0 else None
-
-
-def kv_cache_spec(cfg, rows: int, axis_sizes: Mapping[str, int]) -> P:
-  """``[L, rows, max_len, kv_heads, head_dim]``: rows over ``data``, kv heads over ``model``
-  (each axis only when it divides, `kv_heads_axis`)."""
-  d = int(axis_sizes.get(DATA, 1))
-  return P(None, DATA if rows % d == 0 else None, None, kv_heads_axis(cfg, axis_sizes), None)
-
-
-def rows_spec(rows: int, axis_sizes: Mapping[str, int], ndim: int = 1) -> P:
-  """A per-row array ``[rows, ...]``: rows over ``data`` when they divide."""
-  d = int(axis_sizes.get(DATA, 1))
-  return P(DATA if rows % d == 0 and d > 1 else None, *([None] * (ndim - 1)))
 
 
 def place(x: Any, sharding: NamedSharding) -> jax.Array:
