@@ -169,8 +169,7 @@ def swap_baseline(base: pathlib.Path, variants: dict, models: list[str], prompts
 
   from bitdelta_jax.delta.stream import apply_checkpoint
   from bitdelta_jax.hf.safetensors_io import CheckpointReader
-  from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.generate import Generator
+  from bitdelta_jax.models import Generator, from_pretrained
   from bitdelta_jax.models.loading import hf_name
   from bitdelta_jax.models.sampling import SamplingParams
   from bitdelta_jax.models.tokenizer import Tokenizer
@@ -183,8 +182,7 @@ def swap_baseline(base: pathlib.Path, variants: dict, models: list[str], prompts
     full[name] = out
   tok = Tokenizer.from_dir(base)
   model = from_pretrained(base, getattr(jnp, dtype), num_slots=1)
-  gen = Generator(model, buckets=(32, 64, 128), max_seq_len=max_seq_len, max_rows=max_batch,
-                  tokenizer=tok)
+  gen = Generator(model, max_rows=max_batch, max_seq_len=max_seq_len, tokenizer=tok)
   params = {hf_name(p): v for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
   def swap(d):

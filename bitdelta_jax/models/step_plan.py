@@ -29,6 +29,7 @@ MAGIC = b"BDP1"
 _DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dtype(np.bool_),
            np.dtype(np.uint8), np.dtype(np.int64), np.dtype(np.float64), np.dtype(np.int8))
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+_WIRE = tuple(d.newbyteorder("<") for d in _DTYPES)  # as sent: little-endian
 _NONE, _INT, _STR, _ARRAY = range(4)
 
 
@@ -55,18 +56,19 @@ def encode(op: str, fields: Mapping[str, object] | None = None) -> bytes:
       if a.dtype not in _CODE:
         raise TypeError(f"plan field {name!r}: dtype {a.dtype} cannot be sent")
       out.append(struct.pack(f"<BBB{a.ndim}I", _ARRAY, _CODE[a.dtype], a.ndim, *a.shape))
-      out.append(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes())
+      out.append(a.astype(_WIRE[_CODE[a.dtype]], copy=False).tobytes())
   return b"".join(out)
 
 
 def decode(data: bytes) -> tuple[str, dict[str, object]]:
-  """The (op, fields) of ``encode``; `PlanError` on malformed bytes."""
-  buf = memoryview(data)
+  """The (op, fields) of ``encode``; `PlanError` on malformed bytes. Arrays are read-only
+  views of ``data``."""
+  buf = data
   if bytes(buf[:4]) != MAGIC:
     raise PlanError(f"not a plan (starts with {bytes(buf[:4])!r}, expected {MAGIC!r})")
   pos = 4
 
-  def take(n: int, what: str) -> memoryview:
+  def take(n: int, what: str) -> bytes:
     nonlocal pos
     if pos + n > len(buf):
       raise PlanError(f"plan truncated in {what} (needs {pos + n} bytes, has {len(buf)})")
@@ -74,7 +76,7 @@ def decode(data: bytes) -> tuple[str, dict[str, object]]:
     return buf[pos - n : pos]
 
   def name(what: str) -> str:
-    return bytes(take(take(1, what)[0], what)).decode()
+    return take(take(1, what)[0], what).decode()
 
   op = name("the op")
   fields: dict[str, object] = {}
@@ -86,15 +88,20 @@ def decode(data: bytes) -> tuple[str, dict[str, object]]:
     elif kind == _INT:
       fields[key] = struct.unpack("<q", take(8, key))[0]
     elif kind == _STR:
-      fields[key] = bytes(take(struct.unpack("<I", take(4, key))[0], key)).decode()
+      fields[key] = take(struct.unpack("<I", take(4, key))[0], key).decode()
     elif kind == _ARRAY:
       code, ndim = take(2, key)
       if code >= len(_DTYPES):
         raise PlanError(f"field {key!r}: unknown dtype code {code}")
       shape = struct.unpack(f"<{ndim}I", take(4 * ndim, key))
-      dtype = _DTYPES[code]
-      raw = take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, key)
-      fields[key] = np.frombuffer(raw, dtype.newbyteorder("<")).astype(dtype).reshape(shape)
+      count = 1
+      for d in shape:
+        count *= d
+      at = pos
+      take(count * _WIRE[code].itemsize, key)  # bounds check
+      # read-only views of the message (native order on little-endian hosts; else converted)
+      a = np.frombuffer(buf, _WIRE[code], count, at).reshape(shape)
+      fields[key] = a if a.dtype.isnative else a.astype(_DTYPES[code])
     else:
       raise PlanError(f"field {key!r}: unknown kind {kind}")
   if pos != len(buf):

@@ -1,0 +1,144 @@
+"""What a multi-process server pays per step to send its plan: bytes and microseconds.
+
+Builds the engine's real batches (`PagedGenerator._decode_batch` / `_prefill_batch` on the
+SmolLM2-135M config, no weights needed: only the scheduler runs) for decode steps of 1, 8 and
+32 rows and prefill chunks of 64 and 512 tokens, with and without logit controls (a grammar
+mask and a penalty history), and measures for each: the plan's size (`step_plan.encode`), the
+time to encode it, to decode it, and to send it to one follower over loopback TCP
+(`serving.plan_channel`, the receiver on a thread) until that follower has decoded it.
+Medians of interleaved rounds. Results: ``bench/results/plan.{json,md}``.
+
+    python bench/plan_bench.py [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import machine  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bitdelta_jax.models import step_plan  # noqa: E402
+from bitdelta_jax.models.kv_pages import PagePool  # noqa: E402
+from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
+from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
+from serving.plan_channel import PlanReceiver, PlanSender  # noqa: E402
+
+VOCAB, MAX_SEQ, PAGE = 49152, 2048, 16
+
+
+class _Scheduler(PagedGenerator):
+  """The scheduler alone (no model, no runner): what builds each step's batch."""
+
+  def __init__(self, max_rows: int):
+    self.max_rows, self.max_seq_len, self.page_size = max_rows, MAX_SEQ, PAGE
+    self.prefill_chunk, self.min_pages_bucket = 512, 16
+    self.max_pages_per_seq = MAX_SEQ // PAGE
+    self.pool = PagePool(max_rows * self.max_pages_per_seq + 1, PAGE, True)
+    self.vocab_size = VOCAB
+    self.slot_epoch = [0] * 4
+    import itertools
+    from collections import deque
+
+    self.waiting, self.running, self._order, self.steps = deque(), [], itertools.count(), 0
+
+
+
+def cases() -> dict:
+  out = {}
+  plain = SamplingParams(temperature=0.8, max_new_tokens=8)
+  pen = SamplingParams(temperature=0.8, max_new_tokens=8, presence_penalty=0.5)
+  for rows in (1, 8, 32):
+    for name, p in (("plain", plain), ("penalties", pen)):
+      g = _Scheduler(rows)
+      seqs = [g.add(list(range(3, 300)), 1 + i % 3, p) for i in range(rows)]
+      for s in seqs:  # as if the prompt were computed: the next step is decode
+        s.pages = [g.pool.allocate() for _ in range(-(-len(s.tokens) // PAGE))]
+        s.n_cached = len(s.tokens) - 1
+      g.waiting.clear()
+      g.running = list(seqs)
+      batch, *_ , base_only = g._decode_batch([(s, 1) for s in seqs])
+      out[f"decode {rows} rows, {name}"] = step_plan.batch_fields(batch, base_only)
+  for tokens in (64, 512):
+    g = _Scheduler(8)
+    s = g.add(list(range(3, 3 + tokens)), 1, plain)
+    g.waiting.clear()
+    s.pages = [g.pool.allocate() for _ in range(-(-tokens // PAGE))]
+    g.running = [s]
+    batch, *_, base_only = g._prefill_batch([(s, tokens)])
+    out[f"prefill {tokens} tokens"] = step_plan.batch_fields(batch, base_only)
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--rounds", type=int, default=200)
+  a = ap.parse_args()
+  plans = {k: ("run", v) for k, v in cases().items()}
+  sender = PlanSender(1, host="127.0.0.1")
+  got = threading.Event()
+  stop = threading.Event()
+
+  def follower():
+    r = PlanReceiver("127.0.0.1", sender.port, sender.token, 1)
+    while not stop.is_set():
+      try:
+        step_plan.decode(r.recv())
+      except ConnectionError:
+        return
+      got.set()
+
+  t = threading.Thread(target=follower, daemon=True)
+  t.start()
+  sender.accept(10)
+  times: dict[str, dict[str, list]] = {k: {"encode": [], "decode": [], "send": []} for k in plans}
+  for _ in range(a.rounds):
+    for name, (op, fields) in plans.items():  # interleaved
+      t0 = time.perf_counter()
+      data = step_plan.encode(op, fields)
+      t1 = time.perf_counter()
+      step_plan.decode(data)
+      t2 = time.perf_counter()
+      got.clear()
+      sender.send(data)
+      got.wait()
+      t3 = time.perf_counter()
+      times[name]["encode"].append(t1 - t0)
+      times[name]["decode"].append(t2 - t1)
+      times[name]["send"].append(t3 - t2)
+  stop.set()
+  sender.close()
+  rows = []
+  for name, (op, fields) in plans.items():
+    med = {k: statistics.median(v) * 1e6 for k, v in times[name].items()}
+    raw = sum(np.asarray(v).nbytes for v in fields.values() if hasattr(v, "nbytes"))
+    rows.append({"plan": name, "bytes": len(step_plan.encode(op, fields)), "array_bytes": raw,
+                 "encode_us": med["encode"], "decode_us": med["decode"],
+                 "send_and_decode_us": med["send"]})
+  res = {"machine": machine.describe(), "rounds": a.rounds, "rows": rows}
+  out = pathlib.Path(__file__).parent / "results"
+  (out / "plan.json").write_text(json.dumps(res, indent=1))
+  lines = ["# Plan cost per step (multi-process serving)", "",
+           f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores. Medians of {a.rounds} interleaved "
+           "rounds; one follower on loopback (a thread of this process). `send` is from "
+           "`PlanSender.send` until the follower has decoded the plan.", "",
+           "| plan | bytes | of which array data | encode µs | decode µs | send + decode µs |",
+           "|---|---:|---:|---:|---:|---:|"]
+  for r in rows:
+    lines.append(f"| {r['plan']} | {r['bytes']:,} | {r['array_bytes']:,} | {r['encode_us']:.0f} "
+                 f"| {r['decode_us']:.0f} | {r['send_and_decode_us']:.0f} |")
+  (out / "plan.md").write_text("\n".join(lines) + "\n")
+  print("\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()
