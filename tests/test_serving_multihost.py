@@ -135,11 +135,13 @@ def test_plan_channel_delivers_in_order_and_refuses_a_wrong_token():
 
   intruder = threading.Thread(target=follower, args=(1, b"x" * 32))  # refused: wrong token
   intruder.start()
-  intruder.join(10)
+  time.sleep(0.2)  # it connects first
   threads = [threading.Thread(target=follower, args=(i, sender.token)) for i in (1, 2)]
   for t in threads:
     t.start()
   sender.accept(timeout_s=10)
+  intruder.join(10)
+  assert not intruder.is_alive() and got[1] == []  # closed before it saw anything
   plans = [bytes([i]) * (i * 1000) for i in range(1, 6)]
   for p in plans:
     sender.send(p)
@@ -412,10 +414,9 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
 def test_single_process_mesh_serves_like_one_device(family, reference):
   """``mesh`` in one process: the paged engine, base restored into its shardings, variants
   loaded from in-memory deltas (this process has one device: a 1x1 mesh)."""
-  reference, rich = reference
+  reference, _ = reference  # (the richer requests run on the 2-process mesh above)
   with ServerThread(family[1].replace(mesh="data=1,model=1")) as one:
     assert _answers(one.url, parallel=True) == reference
-    _same_rich(_rich(one.url), rich)
     assert requests.get(one.url + "/health").json()["status"] == "ok"
     m, p = REQUESTS[1]
     r = requests.post(one.url + "/v1/completions", json={

@@ -128,14 +128,13 @@ def _run_worker(mode: str, meshes: list[str], tmp_path) -> dict:
   return json.loads(out.read_text())
 
 
-def test_sharded_forward_and_engine_match_unsharded(tmp_path):
+def test_sharded_forward_matches_unsharded(tmp_path):
   rep = _run_worker("equivalence", ["1x8", "2x4", "8x1"], tmp_path)
   assert rep["devices"] == 8
   assert rep["variant_effect"] > 0.1  # the variants change the logits: the test has teeth
   for spec, r in rep["meshes"].items():
     for key, diff in r["max_abs_diff"].items():
       assert diff <= 1e-5 * max(1.0, r["max_abs_ref"][key]), (spec, key, diff)
-    assert r["tokens_equal"], (spec, r["tokens"], rep["ref_tokens"])
     m = int(spec.split("x")[1])
     assert all(f == pytest.approx(1 / m) for f in r["bits_shard_fraction"].values()), spec
     assert len(set(r["bank_bytes_per_device"].values())) == 1, spec
