@@ -285,6 +285,10 @@ class Server:
       extra["skipped_variants"] = dict(self.bad_variants)
     if self.cfg.multi_process:
       extra["processes"] = self.cfg.num_processes
+      r = getattr(getattr(e, "gen", None), "runner", None)
+      if r is not None and hasattr(r, "plans"):  # what the followers were sent (plain ints)
+        extra["plans"] = {"sent": r.plans, "bytes": r.plan_bytes,
+                          "send_ms_mean": round(1e3 * r.send_s / max(r.plans, 1), 3)}
     stalled = e.stall_report() if e is not None else None
     if stalled:
       extra["stalled"] = stalled

@@ -372,6 +372,9 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
     assert requests.get(url + "/health").json()["processes"] == 2
     assert _answers(url, parallel=True) == want
     _same_rich(_rich(url), rich)
+    plans = requests.get(url + "/health").json()["plans"]
+    assert plans["sent"] > 20 and plans["bytes"] > 1000 * plans["sent"] / 10, plans
+    assert 0 < plans["send_ms_mean"] < 50, plans  # encoding + sending, not the step
     assert json.loads(rich[3][0][0])["a"] in range(100)  # the schema held
     variants = requests.get(url + "/v1/variants").json()
     assert sum(v["loads"] for v in variants["data"]) >= 3  # 3 variants through 2 slots
