@@ -20,6 +20,7 @@ import statistics
 import sys
 import threading
 import time
+import types
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -28,7 +29,7 @@ import machine  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bitdelta_jax.models import step_plan  # noqa: E402
-from bitdelta_jax.models.kv_pages import PagePool  # noqa: E402
+from bitdelta_jax.models.config import ModelConfig  # noqa: E402
 from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
 from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
 from serving.plan_channel import PlanReceiver, PlanSender  # noqa: E402
@@ -36,21 +37,17 @@ from serving.plan_channel import PlanReceiver, PlanSender  # noqa: E402
 VOCAB, MAX_SEQ, PAGE = 49152, 2048, 16
 
 
-class _Scheduler(PagedGenerator):
-  """The scheduler alone (no model, no runner): what builds each step's batch."""
+class _NoDevice:
+  """A runner that is never called: the bench only builds batches."""
 
-  def __init__(self, max_rows: int):
-    self.max_rows, self.max_seq_len, self.page_size = max_rows, MAX_SEQ, PAGE
-    self.prefill_chunk, self.min_pages_bucket = 512, 16
-    self.max_pages_per_seq = MAX_SEQ // PAGE
-    self.pool = PagePool(max_rows * self.max_pages_per_seq + 1, PAGE, True)
-    self.vocab_size = VOCAB
-    self.slot_epoch = [0] * 4
-    import itertools
-    from collections import deque
 
-    self.waiting, self.running, self._order, self.steps = deque(), [], itertools.count(), 0
-
+def _scheduler(max_rows: int) -> PagedGenerator:
+  """The real scheduler on a SmolLM2-sized config, without a model or device state."""
+  model = types.SimpleNamespace(config=ModelConfig(
+    model_type="llama", vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_layers=30,
+    num_heads=9, num_kv_heads=3, head_dim=64, num_slots=4))
+  return PagedGenerator(model, max_rows=max_rows, max_seq_len=MAX_SEQ, page_size=PAGE,
+                        runner=_NoDevice())
 
 
 def cases() -> dict:
@@ -59,7 +56,7 @@ def cases() -> dict:
   pen = SamplingParams(temperature=0.8, max_new_tokens=8, presence_penalty=0.5)
   for rows in (1, 8, 32):
     for name, p in (("plain", plain), ("penalties", pen)):
-      g = _Scheduler(rows)
+      g = _scheduler(rows)
       seqs = [g.add(list(range(3, 300)), 1 + i % 3, p) for i in range(rows)]
       for s in seqs:  # as if the prompt were computed: the next step is decode
         s.pages = [g.pool.allocate() for _ in range(-(-len(s.tokens) // PAGE))]
@@ -69,7 +66,7 @@ def cases() -> dict:
       batch, *_ , base_only = g._decode_batch([(s, 1) for s in seqs])
       out[f"decode {rows} rows, {name}"] = step_plan.batch_fields(batch, base_only)
   for tokens in (64, 512):
-    g = _Scheduler(8)
+    g = _scheduler(8)
     s = g.add(list(range(3, 3 + tokens)), 1, plain)
     g.waiting.clear()
     s.pages = [g.pool.allocate() for _ in range(-(-tokens // PAGE))]

@@ -1,4 +1,4 @@
-"""Multi-process (multi-host) JAX: initialisation from CLI options, plan broadcast, watchdog.
+"""Multi-process (multi-host) JAX: initialisation from CLI options, a start-up broadcast.
 
 JAX's multi-controller runtime is the distributed engine: every process runs the same
 jitted steps over one global mesh (`bitdelta_jax.sharding.make_mesh` sees all processes'
@@ -8,12 +8,11 @@ devices after `initialize`), and XLA's collectives move the data. This module on
   --num-processes N --process-id I`` (and ``--mesh``), for ``bitdelta serve`` / ``demo``.
 * `initialize`: ``jax.distributed.initialize`` with bounded timeouts; on CPU it selects the
   gloo collectives (needed for cross-process computations on CPU devices).
-* `broadcast_json`: process 0's batch plan (any JSON value) to every process, through a
-  collective (no side channel), so all processes dispatch the same steps in the same order.
-* `run_with_timeout`: runs a step and raises `WorkerLost` if it fails or does not finish in
-  time, so process 0 can fail requests with a clear error instead of hanging when a worker
-  dies (a collective with a dead peer blocks or errors; the coordination service itself only
-  notices after ``heartbeat_timeout_s`` and then terminates the survivors).
+* `broadcast_json`: one JSON value from process 0 to every process, through a collective
+  (the server hands out its plan channel with it at start-up, `serving.multihost.lead`).
+* `WorkerLost`: what process 0 raises when a step fails or does not finish in time (the
+  watchdog is `serving.multihost.LeaderRunner`), so requests fail with a clear error instead
+  of hanging when a worker dies.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import threading
 
 import numpy as np
 
@@ -114,31 +112,3 @@ def broadcast_json(obj=None, *, max_bytes: int = 1 << 16):
   out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
   n = int(out[:4].view(np.uint32)[0])
   return json.loads(out[4:4 + n].tobytes().decode())
-
-
-def run_with_timeout(fn, *args, timeout_s: float, what: str = "distributed step", **kwargs):
-  """``fn(*args, **kwargs)`` (blocking on its result), or `WorkerLost` after ``timeout_s``.
-
-  A step stuck in a collective cannot be cancelled: the caller should fail its requests and
-  exit (the thread is a daemon and does not keep the process alive).
-  """
-  import jax
-
-  result: dict = {}
-
-  def target():
-    try:
-      result["value"] = jax.block_until_ready(fn(*args, **kwargs))
-    except BaseException as e:  # noqa: BLE001 - re-raised below as WorkerLost
-      result["error"] = e
-
-  t = threading.Thread(target=target, name=f"bitdelta-{what}", daemon=True)
-  t.start()
-  t.join(timeout_s)
-  if t.is_alive():
-    raise WorkerLost(
-      f"{what} did not finish within {timeout_s:g} s: a worker process is likely dead or hung"
-    )
-  if "error" in result:
-    raise WorkerLost(f"{what} failed: {result['error']}") from result["error"]
-  return result["value"]

@@ -41,7 +41,6 @@ devices' slices; process 0's host tier then holds a `VariantRef`, not the delta'
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -269,6 +268,6 @@ def run_follower(cfg) -> int:
 
 def build_options(engine) -> dict:
   """The model options process 0 derived from the manifests, for `build_generator`."""
-  return json.loads(json.dumps({
-    "embedding_slots": engine.embedding_slots, "lora_rank": engine.lora_rank,
-    "extra_vocab": engine.extra_vocab, "packed_embedding_slots": engine.packed_embedding_slots}))
+  return {"embedding_slots": bool(engine.embedding_slots), "lora_rank": int(engine.lora_rank),
+          "extra_vocab": int(engine.extra_vocab),
+          "packed_embedding_slots": bool(engine.packed_embedding_slots)}

@@ -320,8 +320,8 @@ class PagedGenerator:
       pending_out.append((work, outputs, scored, out))
     result = StepResult([], errors, sum(n for _, n in prefill))
     copies: list[tuple[int, int]] = []
+    fetch = self.runner.fetch
     for work, outputs, scored, out in pending_out:
-      fetch = self.runner.fetch
       tok = fetch(out.tokens)
       if any(s.params.logprobs is not None for s in outputs):
         lp, ids, vals = (fetch(a) for a in (out.logprob, out.top_ids, out.top_logprobs))

@@ -63,9 +63,9 @@ def encode(op: str, fields: Mapping[str, object] | None = None) -> bytes:
 def decode(data: bytes) -> tuple[str, dict[str, object]]:
   """The (op, fields) of ``encode``; `PlanError` on malformed bytes. Arrays are read-only
   views of ``data``."""
-  buf = data
-  if bytes(buf[:4]) != MAGIC:
-    raise PlanError(f"not a plan (starts with {bytes(buf[:4])!r}, expected {MAGIC!r})")
+  buf = bytes(data)
+  if buf[:4] != MAGIC:
+    raise PlanError(f"not a plan (starts with {buf[:4]!r}, expected {MAGIC!r})")
   pos = 4
 
   def take(n: int, what: str) -> bytes:
