@@ -289,6 +289,10 @@ class Server:
       if r is not None and hasattr(r, "plans"):  # what the followers were sent (plain ints)
         extra["plans"] = {"sent": r.plans, "bytes": r.plan_bytes,
                           "send_ms_mean": round(1e3 * r.send_s / max(r.plans, 1), 3)}
+    r = getattr(getattr(e, "gen", None), "runner", None)
+    if r is not None and getattr(r, "warm", False):  # plain ints, read without the device
+      extra["compiled_programs"] = r.compiled_programs
+      extra["compiles_after_warmup"] = r.compiles_after_warmup
     stalled = e.stall_report() if e is not None else None
     if stalled:
       extra["stalled"] = stalled

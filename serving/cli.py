@@ -79,6 +79,9 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="room per device slot for tokens a variant added to the vocabulary "
                       "(default: the most any configured variant adds, rounded up to 64)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+  p.add_argument("--forbid-compile-after-warmup", action="store_true",
+                 help="fail a step that needs a program the warm-up did not compile, instead of "
+                      "compiling it while every stream waits (a bug guard)")
   p.add_argument("--stall-timeout", type=float, metavar="S",
                  help="fail a sequence that makes no progress for S seconds, releasing its pages "
                       "and variant slot (60); /health says 'degraded' from S/2")
@@ -172,6 +175,8 @@ def config_from_args(args, *, base: str | None = None,
     d["admin_roots"] = tuple(args.variant_root)
   if args.no_warmup:
     d["warmup"] = False
+  if getattr(args, "forbid_compile_after_warmup", False):
+    d["forbid_compile_after_warmup"] = True
   if getattr(args, "no_prefix_caching", False):
     d["prefix_caching"] = False
   if getattr(args, "no_verify_base", False):

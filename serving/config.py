@@ -69,7 +69,11 @@ class ServerConfig:
   lora_rank: int | None = None  # LoRA slot rank; None: the largest rank of configured adapters
   extra_vocab: int | None = None  # added-token rows per slot; None: what configured variants add
   embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
-  warmup: bool = True  # compile every prefill bucket and the decode step before serving
+  warmup: bool = True  # compile every step program (each token bucket and form) before serving
+  # after the warm-up, a step that would compile raises instead (the request fails); otherwise
+  # it compiles on the device thread and is counted (/health "compiles_after_warmup")
+  forbid_compile_after_warmup: bool = dataclasses.field(
+    default_factory=lambda: os.environ.get("BITDELTA_FORBID_COMPILE_AFTER_WARMUP") == "1")
   io_threads: int = 2
   # scale-out (docs/SCALING.md): a device mesh, and several processes over one global mesh
   mesh: str | None = None  # "data=D,model=M"; None: one device (or all devices, multi-process)

@@ -183,7 +183,9 @@ class Engine:
     try:
       gen = self.gen = self._build()
       if self.cfg.warmup:
-        gen.warmup(progress=log.info)
+        took = gen.warmup(progress=log.info)
+        log.info("warm-up: %d step programs in %.1f s", gen.compiles, took)
+        gen.runner.guard = self.cfg.forbid_compile_after_warmup
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
       self._ready.set_exception(e)
       return

@@ -48,6 +48,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bitdelta_jax.distributed import WorkerLost
 from bitdelta_jax.models import step_plan
 
@@ -92,6 +94,8 @@ def apply(runner, op: str, fields: dict) -> None:
     runner.clear_slot(int(fields["slot"]))
   elif op == "refresh":
     runner.refresh()
+  elif op == "compile":
+    runner.compile_all(tuple(bool(f) for f in fields["forms"]), threads=int(fields["threads"]))
   elif op == "ping":  # the send itself was the check
     pass
   else:
@@ -105,6 +109,9 @@ def _is_runtime_error(e: BaseException) -> bool:
   except ImportError:  # older jax
     from jax.lib.xla_client import XlaRuntimeError as JaxRuntimeError  # type: ignore
   return isinstance(e, JaxRuntimeError | OSError | ConnectionError)
+
+
+COMPILE_TIMEOUT_S = 1800.0  # the warm-up's compile of every program (CPU processes: minutes)
 
 
 class LeaderRunner:
@@ -135,6 +142,21 @@ class LeaderRunner:
     kind = ("run",) + tuple((k, getattr(v, "shape", v)) for k, v in fields.items())
     return self._call("run", fields, lambda: jax.block_until_ready(
       self.runner.run(batch, base_only)), kind)
+
+  def compile_all(self, forms=(True, False), threads: int = 2, progress=None) -> float:
+    """Every process compiles the same programs ahead of time (no collective runs)."""
+    fields = {"forms": np.asarray(forms, bool), "threads": np.int32(threads)}
+    return self._call("compile", fields, lambda: self.runner.compile_all(
+      forms, threads=threads, progress=progress), ("compile",),
+      timeout_s=max(self.first_call_timeout_s, COMPILE_TIMEOUT_S))
+
+  @property
+  def guard(self) -> bool:
+    return self.runner.guard
+
+  @guard.setter
+  def guard(self, on: bool) -> None:
+    self.runner.guard = on
 
   def copy_pages(self, src, dst) -> None:
     import jax
@@ -171,13 +193,14 @@ class LeaderRunner:
     t.join(min(self.timeout_s, 30.0))
 
   # -- one plan --------------------------------------------------------------------------------
-  def _call(self, op: str, fields: dict, fn: Callable[[], Any], kind: tuple) -> Any:
+  def _call(self, op: str, fields: dict, fn: Callable[[], Any], kind: tuple,
+            timeout_s: float | None = None) -> Any:
     """Sends the plan and runs ``fn`` here; `WorkerLost` on a timeout or runtime error."""
     if self.lost is not None:
       raise WorkerLost(self.lost)
     t0 = time.perf_counter()
     data = step_plan.encode(op, fields)
-    timeout = self.timeout_s if kind in self._seen else self.first_call_timeout_s
+    timeout = timeout_s or (self.timeout_s if kind in self._seen else self.first_call_timeout_s)
     out: dict = {}
 
     def target():

@@ -106,3 +106,7 @@ def _drop_compiled_programs(request):
   if log:
     with open(log, "a") as f:
       f.write(f"{request.module.__name__} {before} {_mappings()}\n")
+
+# servers that warmed up refuse to compile afterwards: a step shape the warm-up missed fails the
+# test instead of compiling silently (ServerConfig.forbid_compile_after_warmup's default)
+os.environ.setdefault("BITDELTA_FORBID_COMPILE_AFTER_WARMUP", "1")

@@ -23,13 +23,16 @@ PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
 hf_models = model_fixtures.hf_models
 
 
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 @pytest.mark.parametrize("preset", ["llama", "mistral_sliding"])
-def test_greedy_matches_transformers_with_chunks_and_pages(hf_models, preset):
+def test_greedy_matches_transformers_with_chunks_and_pages(hf_models, preset, scan):
   hf, path = hf_models(preset)
   # pages of 4 tokens, prefill chunks of 8 tokens (prompts of 9, 11, 14 tokens take 2 chunks),
-  # 3 rows for 5 prompts (rows are refilled)
+  # 3 rows for 5 prompts (rows are refilled); the layers unrolled or as one scan (sliding
+  # windows then come from a per-layer array)
   gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=3, max_seq_len=32,
-                       page_size=4, prefill_chunk=8, min_pages_bucket=2)
+                       page_size=4, prefill_chunk=8, scan_layers=scan)
+  assert (gen.runner._stacked is not None) == scan
   results = gen.generate(PROMPTS, params=SamplingParams(max_new_tokens=8))
   for prompt, res in zip(PROMPTS, results):
     assert res.tokens == hf_greedy(hf, prompt, 8)
@@ -45,7 +48,7 @@ def llama_path(hf_models):
 def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
   hf, path = llama_path
   gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=48,
-                       page_size=4, prefill_chunk=16, min_pages_bucket=2)
+                       page_size=4, prefill_chunk=16)
   header = list(RNG.randint(3, 256, 13))
   prompts = [header + list(RNG.randint(3, 256, n)) for n in (2, 5, 7)]
   first = gen.generate(prompts[:1], params=SamplingParams(max_new_tokens=5))[0]
@@ -63,7 +66,7 @@ def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
   hf, path = llama_path
   # 9 usable pages of 4 tokens = 36 tokens for 4 sequences that need up to 22 each
   gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=32,
-                       page_size=4, num_pages=10, prefill_chunk=8, min_pages_bucket=2,
+                       page_size=4, num_pages=10, prefill_chunk=8,
                        prefix_caching=False)
   prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[4], PROMPTS[1]]
   res = gen.generate(prompts, params=SamplingParams(max_new_tokens=8))
@@ -75,34 +78,36 @@ def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
 def test_sequence_larger_than_the_pool_is_an_error(llama_path):
   _, path = llama_path
   gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
-                       page_size=4, num_pages=4, min_pages_bucket=2)
+                       page_size=4, num_pages=4)
   with pytest.raises(RuntimeError, match="cannot hold a sequence of 20 tokens"):
     gen.generate([list(range(3, 23))], params=SamplingParams(max_new_tokens=2))
 
 
-def test_row_and_length_buckets_bound_the_shapes(llama_path):
-  _, path = llama_path
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=8, max_seq_len=64,
-                       page_size=4, prefill_chunk=32, min_pages_bucket=2)
+def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
+  hf, path = llama_path
+  gen = PagedGenerator(from_pretrained(path, jnp.float32, num_slots=2), max_rows=8,
+                       max_seq_len=64, page_size=4, prefill_chunk=24)
+  assert gen.shapes.buckets() == [1, 2, 4, 8, 16, 32]  # budget = 8 decode + 24 prompt tokens
+  gen.warmup()
+  assert gen.compiles == 2 * 6  # each bucket, base-only and variant forms
+  gen.runner.guard = True  # any other program raises CompileAfterWarmup
   prompts = [list(RNG.randint(3, 256, n)) for n in range(1, 21)]
-  gen.generate(prompts, params=SamplingParams(max_new_tokens=3))
-  decode_rows = {shape[0] for shape, _, _, _ in gen.shapes_run if shape[1] == 1}
-  assert decode_rows <= {1, 2, 4, 8} and 8 in decode_rows
-  pages = {p for _, p, _, _ in gen.shapes_run}
-  assert all(p & (p - 1) == 0 for p in pages)  # powers of two
-  before = gen.compiles
-  gen.generate([PROMPTS[0]], params=SamplingParams(max_new_tokens=3))  # 1 row: a known shape
-  assert gen.compiles == before
-  # a lone stream runs 1 row, not max_rows
+  res = gen.generate(prompts, slot_ids=[i % 2 for i in range(20)],
+                     params=SamplingParams(max_new_tokens=3))
+  assert gen.compiles == 12
+  for p, r in zip(prompts[::2], res[::2]):  # slot 0 (empty slot 1 equals the base too)
+    assert r.tokens == hf_greedy(hf, p, 3)
+  assert {n for n, _ in gen.shapes_run} <= set(gen.shapes.buckets())
+  # a lone stream decodes one token per step, not max_rows
   gen.shapes_run.clear()
   gen.generate([PROMPTS[0]], params=SamplingParams(max_new_tokens=3))
-  assert {s for s, _, _, _ in gen.shapes_run} == {(1, 1), (1, 16)}
+  assert gen.shapes_run == {(4, True), (1, True)}  # a 3-token prompt, then 1-token steps
 
 
 def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
   hf, path = llama_path
   gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
-                       page_size=4, prefill_chunk=8, min_pages_bucket=2)
+                       page_size=4, prefill_chunk=8)
   short = gen.add(PROMPTS[0], params=SamplingParams(max_new_tokens=20))
   gen.step()  # the short prompt's prefill
   long_prompt = list(RNG.randint(3, 256, 40))
@@ -123,7 +128,7 @@ def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
 def test_seeded_sampling_is_per_request(llama_path):
   _, path = llama_path
   model = from_pretrained(path, jnp.float32)
-  gen = PagedGenerator(model, max_rows=4, max_seq_len=48, page_size=4, min_pages_bucket=2)
+  gen = PagedGenerator(model, max_rows=4, max_seq_len=48, page_size=4)
   p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_new_tokens=6)
   alone = gen.generate([PROMPTS[0]], params=p)[0].tokens
   others = [dataclasses.replace(p, seed=s) for s in (1, 2, 3)]
@@ -143,8 +148,7 @@ def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
     ft = {k: a if ("embed" in k or "lm_head" in k) and i == 0
           else a + 0.05 * rng.randn(*a.shape).astype(a.dtype) for k, a in base.items()}
     deltas.append(compress(base, ft, CompressPolicy(), hf_layout=True)[0])
-  gen = PagedGenerator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16,
-                       min_pages_bucket=2)
+  gen = PagedGenerator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16)
   for slot, delta in zip((1, 2), deltas):
     gen.load_variant(slot, delta)
   params = SamplingParams(max_new_tokens=6)
@@ -202,8 +206,7 @@ def llama_model(llama_path):
 def gen(llama_model):
   """One engine for these tests (its compiled shapes are shared): pages of 4 tokens, prefill
   chunks of 8, 4 rows."""
-  return PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8,
-                        min_pages_bucket=2)
+  return PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8)
 
 
 def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model, gen):

@@ -223,46 +223,93 @@ class LlamaForCausalLM(nnx.Module):
     h = self._hidden(ids, positions, slot_ids, self._self_attend(ids, valid, None))
     return self._logits(h, slot_ids)
 
+  def logits(self, h_MxD: jax.Array, slot_ids=None) -> jax.Array:
+    """f32 logits ``[M, V]`` of final hidden states ``[M, D]`` (before the norm)."""
+    return self._logits(h_MxD[:, None], slot_ids)[:, 0]
+
   def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False,
-                    kv_sharding=None):
-    """New tokens over a paged KV cache; see `bitdelta_jax.models.paged.PagedBatch`.
+                    kv_sharding=None, layers=None, block_pages: int | None = None):
+    """One ragged token batch over a paged KV cache; see `bitdelta_jax.models.paged_batch`.
 
-    Each new token's K/V is written to its (page, offset) first; then every row gathers its
-    pages ``[P, page_size]`` and each query attends to the keys of its own sequence
-    (``key_seq == query_seq``) at positions ``<=`` its own (and inside a sliding window).
-    Returns f32 logits at ``batch.out_index`` (flat indices into ``[B*T]``) followed by those
-    at ``batch.score_index`` (``[N + M, V]``), and the pools. ``kv_sharding`` (on a mesh): the
-    sharding of the new K/V ``[B, T, kv, hd]`` the pools' layout needs before they are written
-    (without it XLA may split them by the projection's columns and gather whole pools to write).
+    Every token is a row of its own (``[N, 1, D]`` through the layers, with its own variant
+    slot). Each layer writes the new tokens' K/V to their (page, offset) first, then attends
+    with `pallas_kernels.paged_attention.ragged_paged_attention` (decode lanes and packed prompt
+    chunks, each pass bounded by the live lengths). Returns the final hidden states ``[N, D]``
+    (`logits` turns them into logits) and the pools. ``layers``: ``(layer graphdef, stacked
+    layer states)`` runs the layers as one ``lax.scan`` (one layer's program, not L copies;
+    `stack_layers`); None unrolls ``self.model.layers``. ``kv_sharding`` (on a mesh): the
+    sharding of the new K/V ``[N, kv, hd]`` the pools' layout needs before they are written.
     """
-    ids = batch.tokens.astype(jnp.int32)
-    b, t = ids.shape
+    from pallas_kernels.paged_attention import ragged_paged_attention
+
+    cfg = self.config
+    n = batch.tokens.shape[0]
     ps = k_pool.shape[2]
-    pos = batch.positions
-    kpos = (batch.page_start[:, :, None] + jnp.arange(ps, dtype=jnp.int32)[None, None])
-    kvalid = jnp.arange(ps, dtype=jnp.int32)[None, None] < batch.page_fill[:, :, None]
-    kseq = jnp.broadcast_to(batch.page_seq[:, :, None], kpos.shape)
-    kpos, kvalid, kseq = (a.reshape(b, -1) for a in (kpos, kvalid, kseq))
-    same = batch.seq[:, :, None] == kseq[:, None, :]
-    masks = {w: causal_mask(pos, kpos, w, kvalid) & same for w in set(self.config.layer_windows)}
-    cache = {"k": k_pool, "v": v_pool}
-    wp, wo = batch.write_page, batch.write_offset
-
-    def attend(i, q, k, v):
-      for name, new in (("k", k), ("v", v)):
-        if kv_sharding is not None:
-          new = jax.lax.with_sharding_constraint(new, kv_sharding)
-        cache[name] = cache[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
-      kg = cache["k"][i, batch.pages].reshape(b, -1, *k_pool.shape[3:])
-      vg = cache["v"][i, batch.pages].reshape(b, -1, *v_pool.shape[3:])
-      return attention(q, kg, vg, masks[self.config.layer_windows[i]])
-
+    bp = block_pages or max(1, 128 // ps)
     slot_ids = None if base_only else batch.slot_ids
-    h = self._hidden(ids, pos, slot_ids, attend)
-    out_index, out_slots = batch.out_index, batch.out_slot_ids
-    if batch.score_index.shape[0]:  # prompt positions scored for their log probabilities
-      out_index = jnp.concatenate([out_index, batch.score_index])
-      out_slots = jnp.concatenate([out_slots, batch.score_slot_ids])
-    h_out = h.reshape(b * t, -1)[out_index]
-    logits = self._logits(h_out[:, None], None if base_only else out_slots)[:, 0]
-    return logits, cache["k"], cache["v"]
+    x = self.model.embed_tokens(batch.tokens[:, None].astype(jnp.int32), slot_ids)
+    cos, sin = rope_cos_sin(cfg.rope.inv_freq(cfg.head_dim), batch.positions[:, None])
+    wp, wo = batch.write_page, batch.write_offset
+    kw = dict(lane_pages=batch.lane_pages, lane_len=batch.lane_len, pages=batch.pages,
+              page_seq=batch.page_seq, page_start=batch.page_start, page_fill=batch.page_fill,
+              token_seq=batch.token_seq, positions=batch.positions, blocks=batch.blocks,
+              block_pages=bp)
+
+    def run_layer(layer, x, k_pool, v_pool, i, window):
+      pools = {"k": k_pool, "v": v_pool}
+
+      def attend(q, k, v):  # [N, 1, heads, hd]
+        for name, new in (("k", k[:, 0]), ("v", v[:, 0])):
+          if kv_sharding is not None:
+            new = jax.lax.with_sharding_constraint(new, kv_sharding)
+          pools[name] = pools[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
+        o = ragged_paged_attention(q[:, 0], pools["k"], pools["v"], i, window=window, **kw)
+        return o[:, None]
+
+      x = layer(x, cos, sin, slot_ids, attend)
+      return x, pools["k"], pools["v"]
+
+    if layers is None:
+      for i, layer in enumerate(self.model.layers):
+        x, k_pool, v_pool = run_layer(layer, x, k_pool, v_pool, i, cfg.layer_windows[i])
+    else:
+      layer_def, stacked = layers
+      windows = jnp.asarray([w or _NO_WINDOW for w in cfg.layer_windows], jnp.int32)
+
+      def body(carry, xs):
+        i, state = xs
+        return run_layer(nnx.merge(layer_def, state), *carry, i, windows[i]), None
+
+      steps = (jnp.arange(cfg.num_layers, dtype=jnp.int32), stacked)
+      (x, k_pool, v_pool), _ = jax.lax.scan(body, (x, k_pool, v_pool), steps)
+    return x.reshape(n, -1), k_pool, v_pool
+
+
+_NO_WINDOW = 1 << 30
+
+
+def stack_layers(model: LlamaForCausalLM, previous=None):
+  """``(layer graphdef, states stacked on a leading layer axis)`` for
+  ``forward_paged(layers=...)``, or None when the layers differ in structure (then they
+  unroll). ``previous`` (an earlier result): leaves whose per-layer arrays are the same objects
+  as then are reused, not stacked again, so re-stacking after a slot load copies only banks."""
+  layers = list(model.model.layers)
+  defs = [nnx.graphdef(layer) for layer in layers]
+  if any(d != defs[0] for d in defs[1:]):
+    return None
+  states = [nnx.state(layer) for layer in layers]
+  flat = [jax.tree_util.tree_flatten(st) for st in states]
+  leaves_by_layer = [f[0] for f in flat]
+  treedef = flat[0][1]
+  old = previous[2] if previous is not None else {}
+  stacked, memo = [], {}
+  for j, per_layer in enumerate(zip(*leaves_by_layer)):
+    ids = tuple(id(a) for a in per_layer)
+    hit = old.get(j)
+    if hit is not None and hit[0] == ids:
+      arr = hit[1]
+    else:
+      arr = jnp.stack(per_layer)
+    memo[j] = (ids, arr, per_layer)  # per_layer kept so the ids stay valid
+    stacked.append(arr)
+  return defs[0], jax.tree_util.tree_unflatten(treedef, stacked), memo

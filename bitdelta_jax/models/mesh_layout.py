@@ -88,22 +88,24 @@ class MeshLayout:
 
     return jax.tree.map(lambda a: place(a, self.replicated), tree)
 
-  def jit_step(self, run, copy):
-    """``run(state, k_pool, v_pool, batch, base_only)`` (``base_only`` static, passed by
-    position: jit takes no keyword arguments with shardings) and ``copy(k_pool, v_pool, src,
-    dst)``, jitted with the pools donated (and, on a mesh, with these shardings)."""
+  def jit_step(self, run, copy, layer_shardings=None):
+    """``run(state, layers, k_pool, v_pool, batch, base_only)`` (``base_only`` static, passed
+    by position: jit takes no keyword arguments with shardings; ``layers`` the stacked layer
+    states or None) and ``copy(k_pool, v_pool, src, dst)``, jitted with the pools donated (and,
+    on a mesh, with these shardings)."""
     if self.mesh is None:
-      return (jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2)),
+      return (jax.jit(run, static_argnums=(5,), donate_argnums=(2, 3)),
               jax.jit(copy, donate_argnums=(0, 1)))
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     kv, rep = self.kv, self.replicated
-    heads = self.kv.spec[3]  # the new K/V [B, T, kv, hd] as the pools hold them
-    run = functools.partial(run, kv_sharding=NamedSharding(self.mesh, P(None, None, heads, None)))
+    heads = self.kv.spec[3]  # the new K/V [N, kv, hd] as the pools hold them
+    run = functools.partial(run, kv_sharding=NamedSharding(self.mesh, P(None, heads, None)))
     return (
-      jax.jit(run, static_argnums=(4,), donate_argnums=(1, 2),
-              in_shardings=(self.params, kv, kv, rep), out_shardings=(kv, kv, rep)),
+      jax.jit(run, static_argnums=(5,), donate_argnums=(2, 3),
+              in_shardings=(self.params, layer_shardings, kv, kv, rep),
+              out_shardings=(kv, kv, rep)),
       jax.jit(copy, donate_argnums=(0, 1), in_shardings=(kv, kv, rep, rep),
               out_shardings=(kv, kv)),
     )

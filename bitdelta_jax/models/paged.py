@@ -8,19 +8,25 @@
       gen.finish(seq)                                  # frees (and caches) its pages
     gen.generate(prompts, slot_ids, params)            # the whole loop, stops included
 
-Each `step` is one scheduler iteration and at most two device calls, both of them the same
-jitted function (`LlamaForCausalLM.forward_paged` + the batched sampler) at different static
-shapes:
+Each `step` is one scheduler iteration and one device call: a **ragged token batch**
+(`bitdelta_jax.models.paged_batch.PagedBatch`) of every running sequence's work, decode tokens
+first, then prompt chunks:
 
-* **decode**: every row whose next token is known runs one token; the batch is padded to a
-  row bucket (1, 2, 4, ... ``max_rows``) and each row gathers only its own pages, padded to a
-  power-of-two page count (length buckets), so a lone stream costs one row and a short context
-  costs a short attention.
+* **decode**: every sequence whose next token is known adds one token, in a *decode lane*
+  that reads only its own pages, as far as its length (a lone stream costs one token, a short
+  context a short attention).
 * **prefill**: waiting prompts, several at once, up to ``prefill_chunk`` tokens per iteration;
-  a longer prompt is cut into chunks over successive iterations, so decode rows keep
+  a longer prompt is cut into chunks over successive iterations, so decode tokens keep
   stepping while it fills (chunked prefill), and prompts may be as long as ``max_seq_len``.
-  Prompts of the same variant slot are packed into one row (each token attends only to its
-  own sequence), one call per slot.
+  Prompt tokens of every variant slot share the batch (each token carries its own slot and
+  attends only to its own sequence).
+
+The batch is padded to a **token bucket** (powers of two up to ``max_rows + prefill_chunk``,
+and that budget itself; `StepShapes`), and nothing else in its shapes varies: the page tables
+have a fixed width and the attention loops run as far as the live lengths
+(`pallas_kernels.paged_attention`). So the programs are one per bucket, in a base-only form (no
+variant token: the delta kernels are skipped) and a variant form, and `warmup` compiles them
+all ahead of time; prompt log probabilities are a branch of the same programs.
 
 Pages are allocated as tokens arrive (`bitdelta_jax.models.kv_pages.PagePool`). Full pages are
 published for prefix reuse per variant: a prompt that starts like an earlier one (a system
@@ -28,24 +34,22 @@ prompt, a few-shot header, a previous turn) skips those pages. When the pool run
 sequence is preempted (its pages freed, and it is recomputed later from its tokens so far).
 
 Per request (`SamplingParams`): **n choices** (`add_n`) share one prefill: choice 0 computes
-the prompt, the others draw their first token from the same logits with their own keys and
-take copies of its page table (full pages by reference count, the last partial page copied on
-device). **Logit controls** (token mask of a grammar, logit bias, min_tokens, penalties) are
-per-row fixed-shape arrays of the same call (`bitdelta_jax.models.controls`); a batch without
-any reuses cached neutral device arrays, so plain decoding pays nothing for them. **Log
-probabilities** of the sampled tokens come back from the same call when a row asks; prompt
-log probabilities (``echo``) are computed at extra output positions of the prefill calls (such
-a prompt is always computed in full, never taken from the prefix cache). A grammar's
-``Matcher`` fills its row's mask before each call and accepts the token after it.
-
-Compiles are bounded by the buckets: (rows, 1, pages) for decode and (slots, tokens, pages) for
-prefill, each also in a base-only form (no variant rows: the delta kernels are skipped), plus
-one per bucket of scored prompt positions (16, 32, ...) for echo requests. The greedy/sampled
-choice is per row inside the step (`bitdelta_jax.models.sampling.sample`).
+the prompt; when it draws its first token the others fork: they take its page table but the
+last prompt token (full pages by reference count, the partly filled last page copied on
+device) and each computes that token in a decode lane of the next step, drawing its first token
+with its own key. **Logit controls** (token mask of a grammar, logit bias, min_tokens,
+penalties) are per-output fixed-shape arrays of the same call (`bitdelta_jax.models.controls`);
+a batch without any reuses cached neutral device arrays, so plain decoding pays nothing for
+them. **Log probabilities** of the sampled tokens come back from the same call when an output
+asks; prompt log probabilities (``echo``) score the prompt positions of the step (such a prompt
+is always computed in full, never taken from the prefix cache). A grammar's ``Matcher`` fills
+its output's mask before each call and accepts the token after it. The greedy/sampled choice is
+per output inside the step (`bitdelta_jax.models.sampling.sample`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -57,9 +61,9 @@ from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
 from bitdelta_jax.models.paged_batch import (
   Generation,
-  PagedBatch,
   Seq,
   StepResult,
+  StepShapes,
   fill_masks,
   finish_reason,
   per_request,
@@ -67,13 +71,6 @@ from bitdelta_jax.models.paged_batch import (
 )
 from bitdelta_jax.models.paged_runner import PagedRunner
 from bitdelta_jax.models.sampling import SamplingParams
-
-
-def _pow2(n: int, lo: int = 1) -> int:
-  b = lo
-  while b < n:
-    b *= 2
-  return b
 
 
 class PagedGenerator:
@@ -89,11 +86,12 @@ class PagedGenerator:
     num_pages: int | None = None,
     prefill_chunk: int = 512,
     prefix_caching: bool = True,
-    min_pages_bucket: int = 16,
     tokenizer=None,
     mesh=None,
     rules=None,
     runner=None,
+    block_pages: int | None = None,
+    scan_layers: bool | None = None,
   ):
     if page_size < 1 or prefill_chunk < 1 or max_rows < 1:
       raise ValueError("page_size, prefill_chunk and max_rows must be >= 1")
@@ -103,21 +101,25 @@ class PagedGenerator:
     self.max_seq_len = int(max_seq_len)
     self.page_size = int(page_size)
     self.prefill_chunk = int(prefill_chunk)
-    self.min_pages_bucket = int(min_pages_bucket)
     self.max_pages_per_seq = -(-self.max_seq_len // self.page_size)
     if num_pages is None:  # room for every row at full length, plus the reserved page
       num_pages = self.max_rows * self.max_pages_per_seq + 1
     self.pool = PagePool(int(num_pages), self.page_size, prefix_caching)
     cfg = model.config
-    self.runner = runner if runner is not None else PagedRunner(
-      model, num_pages=int(num_pages), page_size=self.page_size, max_seq_len=self.max_seq_len,
-      mesh=mesh, rules=rules)
     self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
+    self.shapes = StepShapes(
+      max_rows=self.max_rows, max_step_tokens=self.max_rows + self.prefill_chunk,
+      max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
+      block_pages=int(block_pages or max(1, 128 // self.page_size)),
+      vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
+    self.runner = runner if runner is not None else PagedRunner(
+      model, shapes=self.shapes, num_pages=int(num_pages), mesh=mesh, rules=rules,
+      scan_layers=scan_layers)
     self.slot_epoch = [0] * cfg.num_slots
     self.waiting: deque[Seq] = deque()
     self.running: list[Seq] = []
     self._order = itertools.count()
-    self.shapes_run: set[tuple] = set()
+    self.shapes_run: set[tuple] = set()  # (tokens bucket, base_only) of every step run
     self.steps = 0  # scheduler iterations run (the clock of `Seq.progress_step`)
 
   # -- variants ------------------------------------------------------------------------------
@@ -266,11 +268,8 @@ class PagedGenerator:
     for s in sorted(self.running, key=lambda x: x.order):
       if s not in self.running:  # preempted while planning an older one
         continue
-      # a leader whose choices are not forked yet always runs as prefill, even with one token
-      # left (a 1-token prompt, a prefix-cache hit): only a prefill call's outputs carry the
-      # choices' first tokens, which is where they fork
-      as_decode = s.pending == 1 and not s.followers
-      n = 1 if as_decode else min(s.pending, budget)
+      as_decode = s.pending == 1  # (choices fork when their leader's first token is drawn,
+      n = 1 if as_decode else min(s.pending, budget)  # in a decode lane or after a prompt)
       if n == 0:  # older prompts took this iteration's prefill budget
         self._progress(s)
         continue
@@ -303,70 +302,63 @@ class PagedGenerator:
     return decode, prefill, errors
 
   def step(self) -> StepResult:
-    """One scheduler iteration: admit, plan, run decode rows and prefill chunks."""
+    """One scheduler iteration: admit, plan, and run one ragged batch of decode tokens and
+    prompt chunks (one device call)."""
     self.steps += 1
     self._admit()
     decode, prefill, errors = self._plan()
-    calls = []
-    if decode:
-      calls.append((decode, self._decode_batch(decode)))
-    if prefill:
-      for group in self._prefill_groups(prefill):
-        calls.append((group, self._prefill_batch(group)))
-    pending_out = []
-    for work, (batch, outputs, scored, base_only) in calls:
-      out = self.runner.run(batch, base_only)
-      self.shapes_run.add((batch.tokens.shape, batch.pages.shape[1], len(outputs), base_only))
-      pending_out.append((work, outputs, scored, out))
     result = StepResult([], errors, sum(n for _, n in prefill))
-    copies: list[tuple[int, int]] = []
+    if not decode and not prefill:
+      return result
+    batch, outputs, scored, base_only = self._batch(decode, prefill)
+    out = self.runner.run(batch, base_only)
+    self.shapes_run.add((batch.num_tokens, base_only))
     fetch = self.runner.fetch
-    for work, outputs, scored, out in pending_out:
-      tok = fetch(out.tokens)
-      if any(s.params.logprobs is not None for s in outputs):
-        lp, ids, vals = (fetch(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
-        for j, s in enumerate(outputs):
-          if s.params.logprobs is not None:
-            k = s.params.logprobs
-            s.token_logprobs.append((float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist()))
-      if scored:
-        lp, ids, vals = (fetch(a) for a in (out.score, out.score_top_ids,
-                                            out.score_top_logprobs))
-        for j, (s, p) in enumerate(scored):
-          k = s.params.prompt_logprobs
-          s.prompt_logprobs[p] = (float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist())
-      for s, n in work:
-        self._advance(s, n)
+    tok = fetch(out.tokens)
+    if any(s.params.logprobs is not None for s in outputs):
+      lp, ids, vals = (fetch(a) for a in (out.logprob, out.top_ids, out.top_logprobs))
       for j, s in enumerate(outputs):
-        if s.leader is not None and s in s.leader.followers:
-          self._fork(s, copies)
-        t = int(tok[j])
-        s.tokens.append(t)
-        if s.matcher is not None and not s.grammar_done:
-          try:
-            s.matcher.accept(t)
-          except ValueError as e:  # only if the mask was empty; never fail the whole step
-            s.grammar_error = str(e)
-        result.tokens.append((s, t))
+        if s.params.logprobs is not None:
+          k = s.params.logprobs
+          s.token_logprobs.append((float(lp[j]), ids[j, :k].tolist(), vals[j, :k].tolist()))
+    if scored:
+      lp, ids, vals = (fetch(a) for a in (out.score, out.score_top_ids, out.score_top_logprobs))
+      for s, p, i in scored:
+        k = s.params.prompt_logprobs
+        s.prompt_logprobs[p] = (float(lp[i]), ids[i, :k].tolist(), vals[i, :k].tolist())
+    for s, n in decode + prefill:
+      self._advance(s, n)
+    copies: list[tuple[int, int]] = []
+    for j, s in enumerate(outputs):
+      t = int(tok[j])
+      s.tokens.append(t)
+      if s.matcher is not None and not s.grammar_done:
+        try:
+          s.matcher.accept(t)
+        except ValueError as e:  # only if the mask was empty; never fail the whole step
+          s.grammar_error = str(e)
+      result.tokens.append((s, t))
+      for f in list(s.followers):  # its prompt is computed: the other choices fork now
+        self._fork(f, copies)
     if copies:
-      n = _pow2(len(copies))
-      src = np.zeros((n,), np.int32)  # padding copies the reserved page 0 onto itself
-      dst = np.zeros((n,), np.int32)
-      src[: len(copies)], dst[: len(copies)] = zip(*copies)
-      self.runner.copy_pages(src, dst)
+      src, dst = zip(*copies)
+      self.runner.copy_pages(np.asarray(src, np.int32), np.asarray(dst, np.int32))
     return result
 
   def _fork(self, s: Seq, copies: list) -> None:
-    """Gives choice ``s`` its leader's prompt pages (now computed): full pages by reference,
-    the partly filled last page as a copy (queued in ``copies``). With no page left for the
-    copy it starts from nothing instead (recomputed later, like a preempted sequence)."""
+    """Gives choice ``s`` its leader's prompt pages but the last token (now computed): full
+    pages by reference, the partly filled last one as a copy (queued in ``copies``). It then
+    computes the prompt's last token itself, in a decode lane, and draws its first token from
+    those logits with its own key (as a prefix-cache hit would). With no page left for the copy
+    it starts from nothing instead (recomputed later, like a preempted sequence)."""
     lead = s.leader
     lead.followers.remove(s)
     s.leader = None
-    full = lead.n_cached // self.page_size
+    keep = len(s.prompt) - 1  # tokens taken over; the last prompt token is recomputed
+    full = keep // self.page_size
     shared = lead.pages[:full]
     tail = []
-    if lead.n_cached % self.page_size:
+    if keep % self.page_size:
       try:
         tail = [self.pool.allocate()]
       except OutOfPages:
@@ -377,7 +369,7 @@ class PagedGenerator:
     self.pool.share(shared)
     s.pages = shared + tail
     s.hashes = lead.hashes[:full]
-    s.n_cached = lead.n_cached
+    s.n_cached = keep
     self._progress(s)
     self.waiting.appendleft(s)  # admitted (with its pages) before anything new
 
@@ -396,100 +388,53 @@ class PagedGenerator:
       s.hashes.extend(new)
 
   # -- batch construction ---------------------------------------------------------------------
-  def _pages_bucket(self, n: int) -> int:
-    return min(_pow2(n, self.min_pages_bucket), _pow2(self.max_pages_per_seq * self.max_rows))
-
-  def _prefill_groups(self, prefill):
-    """One prefill call per variant slot (its prompts packed into one row), so that prefill
-    shapes depend only on the token and page buckets."""
-    by_slot: dict[int, list] = {}
-    for s, n in prefill:
-      by_slot.setdefault(s.slot, []).append((s, n))
-    return list(by_slot.values())
-
-  def _decode_batch(self, decode):
-    b = min(_pow2(len(decode)), _pow2(self.max_rows))
-    p = self._pages_bucket(max(len(s.pages) for s, _ in decode))
-    rows = [[(s, 1)] for s, _ in decode]
-    return self._batch(rows, b, 1, p, [s for s, _ in decode], out_rows=True)
-
-  def _prefill_batch(self, prefill):
-    by_slot: dict[int, list] = {}
-    for s, n in prefill:
-      by_slot.setdefault(s.slot, []).append((s, n))
-    rows = list(by_slot.values())
-    t = _pow2(max(sum(n for _, n in r) for r in rows), 16)
-    # pages tied to the token bucket (room for as many cached prefix pages as new ones), so the
-    # prefill shapes are few and the warm-up covers them
-    pages = max(sum(len(s.pages) for s, _ in r) for r in rows)
-    p = self._pages_bucket(max(pages, 2 * t // self.page_size))
-    outputs = [s for r in rows for s, n in r if s.n_cached + n == len(s.tokens)]
-    outputs += [f for s in outputs for f in s.followers]  # n > 1: their first tokens
-    return self._batch(rows, _pow2(len(rows)), t, p, outputs, out_rows=False)
-
-  def _batch(self, rows, b: int, t: int, p: int, outputs, *, out_rows: bool):
-    ps = self.page_size
-    tokens = np.zeros((b, t), np.int32)
-    positions = np.zeros((b, t), np.int32)
-    seq = np.full((b, t), -1, np.int32)
-    wpage = np.zeros((b, t), np.int32)
-    woff = np.zeros((b, t), np.int32)
-    pages = np.zeros((b, p), np.int32)
-    page_seq = np.full((b, p), -2, np.int32)
-    page_start = np.zeros((b, p), np.int32)
-    page_fill = np.zeros((b, p), np.int32)
-    slot_ids = np.zeros((b,), np.int32)
+  def _batch(self, decode, prefill):
+    """The step's ragged batch: decode tokens in the first positions (each a decode lane),
+    then the prompt chunks; padded to the token bucket (`StepShapes`)."""
+    ps, sh = self.page_size, self.shapes
+    n_tok = len(decode) + sum(n for _, n in prefill)
+    b = sh.empty(sh.bucket(n_tok))
     out_at: dict[int, int] = {}
-    scored: list[tuple[Seq, int]] = []  # (seq, prompt position whose logprob is computed)
-    score_index: list[int] = []
-    for r, work in enumerate(rows):
-      slot_ids[r] = work[0][0].slot
-      col = pcol = 0
-      for j, (s, n) in enumerate(work):
-        pos = np.arange(s.n_cached, s.n_cached + n)
-        tokens[r, col : col + n] = s.tokens[s.n_cached : s.n_cached + n]
-        positions[r, col : col + n] = pos
-        seq[r, col : col + n] = j
-        wpage[r, col : col + n] = np.asarray(s.pages, np.int32)[pos // ps]
-        woff[r, col : col + n] = pos % ps
-        k = len(s.pages)
-        pages[r, pcol : pcol + k] = s.pages
-        page_seq[r, pcol : pcol + k] = j
-        page_start[r, pcol : pcol + k] = np.arange(k) * ps
-        page_fill[r, pcol : pcol + k] = np.clip(s.n_cached + n - np.arange(k) * ps, 0, ps)
-        out_at[id(s)] = r * t + col + n - 1
-        if s.scores_prompt:  # position q's logits score prompt token q + 1
-          for q in range(s.n_cached, min(s.n_cached + n, len(s.prompt) - 1)):
-            scored.append((s, q + 1))
-            score_index.append(r * t + col + q - s.n_cached)
-        col += n
-        pcol += k
-    nout = _pow2(len(outputs)) if not out_rows else b
-    out_index = np.zeros((nout,), np.int32)
-    out_slot = np.zeros((nout,), np.int32)
-    keys = np.zeros((nout, 2), np.uint32)
-    key_pos = np.zeros((nout,), np.int32)
-    temp = np.zeros((nout,), np.float32)
-    top_p = np.ones((nout,), np.float32)
-    top_k = np.zeros((nout,), np.int32)
-    want_lp = np.zeros((nout,), bool)
+    for r, (s, _) in enumerate(decode):
+      pos = s.n_cached
+      b.tokens[r], b.positions[r], b.slot_ids[r] = s.tokens[pos], pos, s.slot
+      b.write_page[r], b.write_offset[r] = s.pages[pos // ps], pos % ps
+      b.lane_pages[r, : len(s.pages)] = s.pages
+      b.lane_len[r] = pos + 1
+      out_at[id(s)] = r
+    col, u = len(decode), 0
+    scored: list[tuple[Seq, int, int]] = []  # (seq, prompt position scored, token index)
+    for j, (s, n) in enumerate(prefill):
+      pos = np.arange(s.n_cached, s.n_cached + n)
+      sl = slice(col, col + n)
+      b.tokens[sl] = s.tokens[s.n_cached : s.n_cached + n]
+      b.positions[sl], b.slot_ids[sl], b.token_seq[sl] = pos, s.slot, j
+      b.write_page[sl] = np.asarray(s.pages, np.int32)[pos // ps]
+      b.write_offset[sl] = pos % ps
+      k = len(s.pages)
+      b.pages[u : u + k], b.page_seq[u : u + k] = s.pages, j
+      b.page_start[u : u + k] = np.arange(k) * ps
+      b.page_fill[u : u + k] = np.clip(s.n_cached + n - np.arange(k) * ps, 0, ps)
+      if s.n_cached + n == len(s.tokens):
+        out_at[id(s)] = col + n - 1
+      if s.scores_prompt:  # position q's logits score prompt token q + 1
+        for q in range(s.n_cached, min(s.n_cached + n, len(s.prompt) - 1)):
+          i = col + q - s.n_cached
+          b.score_target[i] = s.prompt[q + 1]
+          scored.append((s, q + 1, i))
+      col += n
+      u += k
+    bk = sh.block_pages * ps
+    b.blocks[:] = (-(-int(b.lane_len.max(initial=0)) // bk), -(-u // sh.block_pages))
+    outputs = [s for s, _ in decode + prefill if id(s) in out_at]
     for j, s in enumerate(outputs):
-      out_index[j] = out_at[id(s if s.leader is None else s.leader)]
-      out_slot[j] = s.slot
-      keys[j] = s.key
-      key_pos[j] = len(s.tokens)
-      temp[j], top_p[j], top_k[j] = s.params.temperature, s.params.top_p, s.params.top_k
-      want_lp[j] = s.params.logprobs is not None
-    m = _pow2(len(scored), 16) if scored else 0
-    s_index = np.zeros((m,), np.int32)
-    s_slot = np.zeros((m,), np.int32)
-    s_target = np.zeros((m,), np.int32)
-    for j, ((s, p_), i) in enumerate(zip(scored, score_index)):
-      s_index[j], s_slot[j], s_target[j] = i, s.slot, s.prompt[p_]
-    batch = PagedBatch(tokens, positions, seq, wpage, woff, pages, page_seq, page_start,
-                       page_fill, slot_ids, out_index, out_slot, keys, key_pos, temp, top_p, top_k,
-                       self._controls(outputs, nout), want_lp, s_index, s_slot, s_target)
-    base_only = not any(s.slot for work in rows for s, _ in work)
+      b.out_index[j], b.out_slot_ids[j], b.keys[j] = out_at[id(s)], s.slot, s.key
+      b.key_pos[j] = len(s.tokens)
+      b.temperature[j], b.top_p[j], b.top_k[j] = (s.params.temperature, s.params.top_p,
+                                                  s.params.top_k)
+      b.want_logprobs[j] = s.params.logprobs is not None
+    batch = dataclasses.replace(b, controls=self._controls(outputs, b.out_index.shape[0]))
+    base_only = not any(s.slot for s, _ in decode + prefill)
     return batch, outputs, scored, base_only
 
   def _controls(self, outputs: Sequence[Seq], nout: int) -> LogitControls | None:
@@ -514,24 +459,12 @@ class PagedGenerator:
     return c
 
   # -- warm-up --------------------------------------------------------------------------------
-  def warmup(self, *, decode_rows: Sequence[int] | None = None, prompt_tokens=(16,),
-             progress=None) -> None:
-    """Compiles the common shapes by running throwaway sequences (base and variant forms)."""
-    rows = decode_rows or sorted({min(_pow2(r), _pow2(self.max_rows))
-                                  for r in (1, 2, 4, 8, 16, 32, 64) if r <= self.max_rows})
-    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=2)
-    for slot in sorted({0, min(1, len(self.slot_epoch) - 1)}):
-      for n in prompt_tokens:
-        n = min(n, self.max_seq_len - 2)
-        for r in rows:
-          seqs = [self.add([1] * n, slot, params) for _ in range(r)]
-          while any(len(s.generated) < 2 for s in seqs):
-            self.step()
-          for s in seqs:
-            self.finish(s)
-          if progress:
-            progress(f"compiled {'variant' if slot else 'base'} prefill {n} + decode rows {r}")
-    self.pool.clear_cache()
+  def warmup(self, *, threads: int = 2, progress=None) -> float:
+    """Compiles every step program the scheduler can ask for (each token bucket, base-only
+    and, with variant slots, variant form) ahead of time; returns the seconds it took. After
+    it, the runner counts (or, with ``runner.guard``, refuses) any step it did not compile."""
+    forms = (True, False) if len(self.slot_epoch) > 1 else (True,)
+    return self.runner.compile_all(forms, threads=threads, progress=progress)
 
   # -- the whole loop -------------------------------------------------------------------------
   def generate(

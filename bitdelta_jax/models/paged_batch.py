@@ -25,58 +25,126 @@ from bitdelta_jax.models.sampling import SamplingParams, row_keys, sample
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
-  """One call's inputs. B rows of T new tokens; each row reads P pages; N outputs."""
+  """One step's inputs: a ragged batch of N tokens (decode tokens first, then prompt chunks),
+  R decode lanes and sampled outputs (R = min(N, max_rows)), U prompt pages. The shapes depend
+  on N only; see `pallas_kernels.paged_attention` for how attention reads them."""
 
-  tokens: jax.Array  # int32 [B, T]
-  positions: jax.Array  # int32 [B, T] position of each token in its own sequence
-  seq: jax.Array  # int32 [B, T] sequence index within the row (-1: padding)
-  write_page: jax.Array  # int32 [B, T] where each token's K/V goes (page 0: padding)
-  write_offset: jax.Array  # int32 [B, T]
-  pages: jax.Array  # int32 [B, P] pages the row reads
-  page_seq: jax.Array  # int32 [B, P] sequence each page belongs to (-2: padding)
-  page_start: jax.Array  # int32 [B, P] position of the page's first token
-  page_fill: jax.Array  # int32 [B, P] valid tokens in the page after this call's writes
-  slot_ids: jax.Array  # int32 [B]
-  out_index: jax.Array  # int32 [N] flat index into [B*T] of each output token
-  out_slot_ids: jax.Array  # int32 [N]
-  keys: jax.Array  # uint32 [N, 2] the request's PRNGKey(seed)
-  key_pos: jax.Array  # int32 [N] position of the token being drawn
-  temperature: jax.Array  # f32 [N]
-  top_p: jax.Array  # f32 [N]
-  top_k: jax.Array  # int32 [N]
-  controls: LogitControls  # [N, ...] mask, bias, penalties (neutral rows change nothing)
-  want_logprobs: jax.Array  # bool [N]
-  score_index: jax.Array  # int32 [M] flat index of each prompt position scored (M may be 0)
-  score_slot_ids: jax.Array  # int32 [M]
-  score_target: jax.Array  # int32 [M] the prompt token that follows that position
+  tokens: jax.Array  # int32 [N]
+  positions: jax.Array  # int32 [N] position of each token in its own sequence
+  slot_ids: jax.Array  # int32 [N] each token's variant slot
+  token_seq: jax.Array  # int32 [N] index of a prompt token's sequence in `pages` (-1: none)
+  write_page: jax.Array  # int32 [N] where each token's K/V goes (page 0: padding)
+  write_offset: jax.Array  # int32 [N]
+  lane_pages: jax.Array  # int32 [R, P] page table of the decode token at position r
+  lane_len: jax.Array  # int32 [R] its keys after this step's write (0: not a decode token)
+  pages: jax.Array  # int32 [U] the pages the prompt chunks read
+  page_seq: jax.Array  # int32 [U] sequence each page belongs to (-2: padding)
+  page_start: jax.Array  # int32 [U] position of the page's first token
+  page_fill: jax.Array  # int32 [U] valid tokens in the page after this step's writes
+  blocks: jax.Array  # int32 [2] page blocks the decode and prompt attention passes walk
+  out_index: jax.Array  # int32 [R] token index of each output (a sequence's last token)
+  out_slot_ids: jax.Array  # int32 [R]
+  keys: jax.Array  # uint32 [R, 2] the request's PRNGKey(seed)
+  key_pos: jax.Array  # int32 [R] position of the token being drawn
+  temperature: jax.Array  # f32 [R]
+  top_p: jax.Array  # f32 [R]
+  top_k: jax.Array  # int32 [R]
+  controls: LogitControls  # [R, ...] mask, bias, penalties (neutral rows change nothing)
+  want_logprobs: jax.Array  # bool [R]
+  score_target: jax.Array  # int32 [N] prompt token a position's logits score (-1: none)
+
+  @property
+  def num_tokens(self) -> int:
+    return self.tokens.shape[0]
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-  """One call's results: sampled tokens and log probabilities (raw model logits)."""
+  """One step's results: sampled tokens and log probabilities (raw model logits)."""
 
-  tokens: jax.Array  # int32 [N]
-  logprob: jax.Array  # f32 [N] of the sampled token (0 where not wanted)
-  top_ids: jax.Array  # int32 [N, TOP_LOGPROBS]
-  top_logprobs: jax.Array  # f32 [N, TOP_LOGPROBS]
-  score: jax.Array  # f32 [M] of each score_target
-  score_top_ids: jax.Array  # int32 [M, TOP_LOGPROBS]
-  score_top_logprobs: jax.Array  # f32 [M, TOP_LOGPROBS]
+  tokens: jax.Array  # int32 [R]
+  logprob: jax.Array  # f32 [R] of the sampled token (0 where not wanted)
+  top_ids: jax.Array  # int32 [R, TOP_LOGPROBS]
+  top_logprobs: jax.Array  # f32 [R, TOP_LOGPROBS]
+  score: jax.Array  # f32 [N] of each score_target (0 where none)
+  score_top_ids: jax.Array  # int32 [N, TOP_LOGPROBS]
+  score_top_logprobs: jax.Array  # f32 [N, TOP_LOGPROBS]
 
 
-def run_impl(graphdef, state, k_pool, v_pool, batch: PagedBatch, base_only: bool,
-             kv_sharding=None):
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+  """The static shapes of a step, a function of its token bucket N alone: the scheduler builds
+  batches of these shapes and the runner compiles one program per bucket (and form) before
+  serving. N is a power of two up to ``max_step_tokens``, or ``max_step_tokens`` itself."""
+
+  max_rows: int  # sequences that can run at once: decode lanes and outputs, R = min(N, max_rows)
+  max_step_tokens: int  # the token budget of a step (max_rows decode tokens + a prefill chunk)
+  max_pages_per_seq: int
+  page_size: int
+  block_pages: int  # pages per attention block
+  vocab_size: int  # logits width (controls' mask)
+  max_seq_len: int  # controls' history
+
+  @property
+  def lane_width(self) -> int:
+    """Pages in a decode lane's table: ``max_pages_per_seq`` rounded up to whole blocks."""
+    return -(-self.max_pages_per_seq // self.block_pages) * self.block_pages
+
+  def buckets(self) -> list[int]:
+    out, b = [], 1
+    while b < self.max_step_tokens:
+      out.append(b)
+      b *= 2
+    return out + [self.max_step_tokens]
+
+  def bucket(self, n: int) -> int:
+    if not 1 <= n <= self.max_step_tokens:
+      raise ValueError(f"a step of {n} tokens is outside [1, {self.max_step_tokens}]")
+    return next(b for b in self.buckets() if b >= n)
+
+  def lanes(self, n_bucket: int) -> int:
+    return min(n_bucket, self.max_rows)
+
+  def empty(self, n_bucket: int) -> PagedBatch:
+    """A batch of N padding tokens (host arrays, neutral controls as None): the template the
+    scheduler fills in, and what the warm-up compiles with."""
+    n, r = n_bucket, self.lanes(n_bucket)
+    u = r * self.lane_width
+    i32 = lambda shape, v=0: np.full(shape, v, np.int32)  # noqa: E731
+    return PagedBatch(
+      tokens=i32(n), positions=i32(n), slot_ids=i32(n), token_seq=i32(n, -1), write_page=i32(n),
+      write_offset=i32(n), lane_pages=i32((r, self.lane_width)), lane_len=i32(r),
+      pages=i32(u), page_seq=i32(u, -2), page_start=i32(u), page_fill=i32(u), blocks=i32(2),
+      out_index=i32(r), out_slot_ids=i32(r), keys=np.zeros((r, 2), np.uint32), key_pos=i32(r),
+      temperature=np.zeros((r,), np.float32), top_p=np.ones((r,), np.float32), top_k=i32(r),
+      controls=None, want_logprobs=np.zeros((r,), bool), score_target=i32(n, -1))
+
+
+def run_impl(graphdef, layer_def, state, stacked, k_pool, v_pool, batch: PagedBatch,
+             base_only: bool, kv_sharding=None):
+  """The step: the forward over the ragged batch, the sampler at the outputs, log probabilities;
+  prompt positions are scored (a second logits pass over all N tokens) only when a step asks.
+  ``layer_def, stacked``: the decoder layers as one scan (`llama.stack_layers`), or None."""
   model = nnx.merge(graphdef, state)
-  logits, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
-                                               kv_sharding=kv_sharding)
-  n = batch.out_index.shape[0]
-  out_logits, score_logits = logits[:n], logits[n:]
+  layers = None if layer_def is None else (layer_def, stacked)
+  h, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
+                                          kv_sharding=kv_sharding, layers=layers)
+  slots = None if base_only else batch.out_slot_ids
+  out_logits = model.logits(h[batch.out_index], slots)
   keys = row_keys(batch.keys, batch.key_pos)
   tok = sample(out_logits, keys, batch.temperature, batch.top_p, batch.top_k, batch.controls)
   lp = logprobs_of(out_logits, tok, batch.want_logprobs)
-  m = batch.score_target.shape[0]
-  sc = logprobs_of(score_logits, batch.score_target, jnp.ones((m,), bool))
+  target = batch.score_target
+
+  def scores(h):
+    logits = model.logits(h, None if base_only else batch.slot_ids)
+    return logprobs_of(logits, jnp.maximum(target, 0), target >= 0)
+
+  n, top = target.shape[0], lp[1].shape[1]
+  none = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, top), jnp.int32),
+          jnp.zeros((n, top), jnp.float32))
+  sc = jax.lax.cond(jnp.any(target >= 0), scores, lambda h: none, h)
   return k_pool, v_pool, StepOutput(tok, *lp, *sc)
 
 

@@ -1,6 +1,8 @@
 """The paged engine's device side: the KV page pools, the model state and the jitted step.
 
-    runner = PagedRunner(model, num_pages=1025, page_size=16, mesh=mesh)
+    runner = PagedRunner(model, shapes=StepShapes(...), num_pages=1025, mesh=mesh)
+    runner.compile_all()                          # every token bucket, both forms, ahead of time
+    runner.guard = True                           # from now on a step that would compile raises
     out = runner.run(batch, base_only=False)     # a PagedBatch of host arrays -> StepOutput
     tokens = runner.fetch(out.tokens)             # host values (on any number of processes)
     runner.copy_pages(src, dst)                   # forked choices' partly filled last pages
@@ -13,6 +15,11 @@ the same computations in the same order (`serving.multihost`). A batch whose ``c
 None uses cached neutral control arrays (no mask, bias or penalty): plain batches then send and
 transfer nothing for them.
 
+Programs: one per token bucket of `StepShapes` and form (base-only or with variants).
+`compile_all` lowers and compiles them all on a thread pool before serving; a step of a bucket
+it compiled runs that executable. The decoder layers run unrolled on CPU and as one
+``lax.scan`` over stacked layer states elsewhere (`scan_layers_default` says why).
+
 On a mesh spanning several processes, host inputs become global arrays with
 `jax.make_array_from_callback` (every process passes the same values), and `fetch` reads a
 replicated output from this process's first shard.
@@ -22,6 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -29,29 +39,65 @@ from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.models.controls import LogitControls
+from bitdelta_jax.models.llama import stack_layers
 from bitdelta_jax.models.mesh_layout import MeshLayout
-from bitdelta_jax.models.paged_batch import PagedBatch, StepOutput, copy_pages_impl, run_impl
+from bitdelta_jax.models.paged_batch import (
+  PagedBatch,
+  StepOutput,
+  StepShapes,
+  copy_pages_impl,
+  run_impl,
+)
+
+
+def scan_layers_default() -> bool:
+  """Scan the decoder layers off CPU; unroll them on CPU. A scan compiles one layer instead of
+  L (about 2 s instead of 6 s a program for SmolLM2 on 2 cores) but XLA's CPU backend copies
+  each layer's weights out of the stacked arrays every step (+14 ms a decode step here, +40%),
+  so on CPU the warm-up pays the unrolled compiles once (and the persistent cache keeps them)."""
+  return jax.default_backend() != "cpu"
+
+
+class CompileAfterWarmup(RuntimeError):
+  """A step needed a program the warm-up did not compile (the guard is on)."""
+
+
+COPY_BATCH = 16  # page copies per copy call (padded; more copies take several calls)
 
 
 class PagedRunner:
   """Device state of the paged engine and the calls that change it; see the module docstring."""
 
-  def __init__(self, model, *, num_pages: int, page_size: int, max_seq_len: int, mesh=None,
-               rules=None):
+  def __init__(self, model, *, shapes: StepShapes, num_pages: int, mesh=None, rules=None,
+               scan_layers: bool | None = None):
     cfg = model.config
     self.model = model
-    self.num_pages, self.page_size, self.max_seq_len = int(num_pages), int(page_size), int(max_seq_len)
+    self.shapes = shapes
+    self.num_pages, self.page_size = int(num_pages), shapes.page_size
+    self.max_seq_len = shapes.max_seq_len
     self.layout = MeshLayout.of(model, mesh, rules)
     shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
     self.k_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
     self.v_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
+    if scan_layers is None:  # see `scan_layers_default`
+      scan_layers = scan_layers_default()
+    self.scan_layers = bool(scan_layers)
+    self._stacked = None
     self.graphdef, self.state = nnx.split(model)
+    self._restack()
+    layer_def = self._stacked[0] if self._stacked is not None else None
     self._run, self._copy_pages = self.layout.jit_step(
-      functools.partial(run_impl, self.graphdef), copy_pages_impl)
+      functools.partial(run_impl, self.graphdef, layer_def), copy_pages_impl,
+      self._layer_shardings())
     self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
     self._neutral: dict[int, LogitControls] = {}  # rows -> device arrays, reused every step
     self.local = self.layout.mesh is None or all(
       d.process_index == jax.process_index() for d in self.layout.mesh.devices.flat)
+    self._compiled: dict[tuple, object] = {}  # (tokens, base_only) -> compiled step
+    self._copy_compiled = None
+    self.guard = False  # raise on a step the warm-up did not compile
+    self.compiles_after_warmup = 0  # steps compiled lazily after `compile_all` (guard off)
+    self.warm = False
 
   @property
   def mesh(self):
@@ -63,32 +109,83 @@ class PagedRunner:
 
   @property
   def compiles(self) -> int:
-    return self._run._cache_size()
+    """Step programs compiled so far (ahead of time and lazily)."""
+    return len(self._compiled) + self._run._cache_size()
+
+  @property
+  def compiled_programs(self) -> int:
+    """Step programs compiled ahead of time (`compile_all`)."""
+    return len(self._compiled)
 
   # -- the calls ------------------------------------------------------------------------------
   def run(self, batch: PagedBatch, base_only: bool) -> StepOutput:
     """One step over ``batch`` (host arrays); the pools are donated and replaced."""
-    self.k_pool, self.v_pool, out = self._run(self.state, self.k_pool, self.v_pool,
-                                              self._inputs(batch), bool(base_only))
+    fn = self._compiled.get((batch.num_tokens, bool(base_only)))
+    if fn is None:
+      if self.warm:
+        if self.guard:
+          raise CompileAfterWarmup(
+            f"a step of {batch.num_tokens} tokens (base_only={bool(base_only)}) needs a program "
+            "the warm-up did not compile")
+        self.compiles_after_warmup += 1
+      out = self._run(self.state, self._layer_states(), self.k_pool, self.v_pool,
+                      self._inputs(batch), bool(base_only))
+    else:  # compiled ahead of time: the static base_only is part of the program
+      out = fn(self.state, self._layer_states(), self.k_pool, self.v_pool, self._inputs(batch))
+    self.k_pool, self.v_pool, out = out
     return out
 
   def lower(self, batch: PagedBatch, base_only: bool):
     """The step over ``batch``'s shapes, lowered (``.compile()`` it; nothing runs)."""
-    return self._run.lower(self.state, self.k_pool, self.v_pool, self._inputs(batch),
-                           bool(base_only))
+    return self._run.lower(self.state, self._layer_states(), self.k_pool, self.v_pool,
+                           self._inputs(batch), bool(base_only))
+
+  def compile_all(self, forms: Sequence[bool] = (True, False), threads: int = 2,
+                  progress=None) -> float:
+    """Compiles the step for every token bucket and form (base-only and with variants) ahead
+    of time, ``threads`` at a time, and the page copy; returns the seconds it took. Every later
+    step then runs a program compiled here (with `guard` on, any other raises)."""
+    t0 = time.perf_counter()
+    todo = [(n, f) for f in forms for n in self.shapes.buckets()
+            if (n, f) not in self._compiled]
+
+    def one(key):
+      n, f = key
+      t = time.perf_counter()
+      compiled = self.lower(self.shapes.empty(n), f).compile()
+      if progress:
+        progress(f"compiled the {'base-only' if f else 'variant'} step of {n} tokens "
+                 f"({time.perf_counter() - t:.1f} s)")
+      return key, compiled
+
+    with ThreadPoolExecutor(max(1, threads)) as ex:
+      for key, compiled in ex.map(one, todo):
+        self._compiled[key] = compiled
+    if self._copy_compiled is None:
+      z = np.zeros((COPY_BATCH,), np.int32)
+      self._copy_compiled = self._copy_pages.lower(self.k_pool, self.v_pool,
+                                                   *self._replicated((z, z))).compile()
+    self.warm = True
+    return time.perf_counter() - t0
 
   def _inputs(self, batch: PagedBatch) -> PagedBatch:
     if batch.controls is None:
       batch = dataclasses.replace(batch, controls=self.neutral(batch.out_index.shape[0]))
-    if not self.local:
-      batch = self.layout.replicate(batch)
-    return batch
+    return self._replicated(batch)
+
+  def _replicated(self, tree):
+    return tree if self.local else self.layout.replicate(tree)
 
   def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+    """Copies pages ``src[i] -> dst[i]`` (in calls of `COPY_BATCH`, padded with page 0)."""
     src, dst = np.asarray(src, np.int32), np.asarray(dst, np.int32)
-    if not self.local:
-      src, dst = self.layout.replicate((src, dst))
-    self.k_pool, self.v_pool = self._copy_pages(self.k_pool, self.v_pool, src, dst)
+    for i in range(0, len(src), COPY_BATCH):
+      s = np.zeros((COPY_BATCH,), np.int32)
+      d = np.zeros((COPY_BATCH,), np.int32)
+      s[: len(src[i : i + COPY_BATCH])] = src[i : i + COPY_BATCH]
+      d[: len(dst[i : i + COPY_BATCH])] = dst[i : i + COPY_BATCH]
+      fn = self._copy_compiled or self._copy_pages
+      self.k_pool, self.v_pool = fn(self.k_pool, self.v_pool, *self._replicated((s, d)))
 
   def load_variant(self, slot: int, delta) -> None:
     """``delta``: an in-memory delta dict, or (on a mesh) also a delta directory, written
@@ -111,6 +208,36 @@ class PagedRunner:
   def refresh(self) -> None:
     """Re-reads the model's state (after its banks or parameters changed)."""
     self.state = self.layout.place_state(nnx.state(self.model))
+    self._restack()
+
+  # -- layers as one scan ---------------------------------------------------------------------
+  def _restack(self) -> None:
+    """The decoder layers' states stacked for the scan (leaves unchanged since the last call
+    are reused: a slot load re-stacks only what it wrote)."""
+    if not self.scan_layers:
+      return
+    stacked = stack_layers(self.model, self._stacked)
+    if stacked is None:
+      self.scan_layers = False
+      return
+    if self.mesh is not None:
+      shard = self._layer_shardings()
+      stacked = (stacked[0], jax.tree.map(lambda a, sh: jax.device_put(a, sh), stacked[1], shard),
+                 stacked[2])
+    self._stacked = stacked
+
+  def _layer_states(self):
+    return self._stacked[1] if self._stacked is not None else None
+
+  def _layer_shardings(self):
+    """The stacked states' shardings on a mesh: each layer leaf's, with the layer axis whole."""
+    if self.mesh is None or self._stacked is None:
+      return None
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    per_layer = self.layout.params["model"]["layers"][0]
+    return jax.tree.map(lambda sh: NamedSharding(self.mesh, P(None, *sh.spec)), per_layer)
 
   # -- helpers --------------------------------------------------------------------------------
   def neutral(self, rows: int) -> LogitControls:

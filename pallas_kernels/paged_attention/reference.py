@@ -1,0 +1,103 @@
+"""Ragged paged attention in plain jnp: the paged engine's attention, and the readable
+reference for a GPU kernel.
+
+One step's queries are a flat, ragged token batch ``q [N, H, hd]``: first the decode tokens
+(one per sequence), then prompt chunks (several tokens per sequence, several sequences packed).
+The two kinds are attended to in two length-bounded passes, and each token takes the pass it
+belongs to:
+
+* **decode lanes**: the first ``R`` tokens are lanes; lane ``r`` reads its own sequence's page
+  table ``lane_pages [R, P]`` up to ``lane_len[r]`` keys (0: the token is not a decode token).
+* **packed prefill**: every token may attend to the pages of ``pages [U]`` (the pages of the
+  step's prompt chunks, each labelled with its sequence ``page_seq``, its first position
+  ``page_start`` and its valid tokens ``page_fill``); a key counts for a query of the same
+  sequence (``token_seq``) at an earlier or equal position.
+
+Both passes walk their pages in blocks of ``block_pages`` with an online softmax, and the loop
+runs for ``blocks[0]`` (decode) and ``blocks[1]`` (prefill) blocks, counts the host computes
+from the actual lengths: the cost follows the longest live sequence, never the maximum length,
+and the shapes depend only on ``N`` (the token bucket). ``window`` (an int, possibly traced, or
+None) limits a query to the keys ``> position - window`` (sliding-window layers).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_BIG = 1 << 30  # "no window"
+
+
+def _update(carry, s, valid, v, spec):
+  """One online-softmax step: scores ``s`` (f32, masked by ``valid``) against values ``v``;
+  ``carry`` = (running max, running sum of exponentials, running weighted values)."""
+  mx, total, acc = carry
+  mx_new = jnp.maximum(mx, jnp.max(jnp.where(valid, s, -jnp.inf), axis=-1))
+  safe = jnp.where(jnp.isfinite(mx_new), mx_new, 0.0)
+  p = jnp.where(valid, jnp.exp(s - safe[..., None]), 0.0)
+  corr = jnp.where(jnp.isfinite(mx), jnp.exp(mx - safe), 0.0)
+  pv = jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return mx_new, total * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _finish(carry, dtype):
+  _, total, acc = carry
+  return (acc / jnp.maximum(total, 1e-30)[..., None]).astype(dtype)
+
+
+def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_len, pages, page_seq,
+                           page_start, page_fill, token_seq, positions, blocks, block_pages: int,
+                           window=None):
+  """Softmax attention of ``q`` (``[N, H, hd]``) over layer ``layer`` (an int, possibly traced)
+  of ``k_pool, v_pool`` (``[L, num_pages, page_size, KV, hd]``; pages are gathered straight from
+  the pool, never a layer's slice first); see the module docstring. Scores and softmax in f32.
+  Returns ``[N, H, hd]`` in q's dtype; a token with no key (padding) gets zeros."""
+  n, h, d = q_NxHxD.shape
+  _, _, ps, kv, _ = k_pool.shape
+  g = h // kv
+  r = lane_pages.shape[0]
+  bp = int(block_pages)
+  bk = bp * ps
+  window = _BIG if window is None else window
+  q = q_NxHxD.reshape(n, kv, g, d)
+  scale = d**-0.5
+  offs = jnp.arange(bk, dtype=jnp.int32)
+
+  def init(rows):
+    return (jnp.full((rows, kv, g), -jnp.inf, jnp.float32), jnp.zeros((rows, kv, g), jnp.float32),
+            jnp.zeros((rows, kv, g, d), jnp.float32))
+
+  # decode lanes: one query per lane against its own pages
+  qd = q[:r]
+  lane_q = lane_len - 1  # the lane's query position
+
+  def lane_block(j, carry):
+    pg = jax.lax.dynamic_slice_in_dim(lane_pages, j * bp, bp, axis=1)  # [R, bp]
+    k = k_pool[layer, pg].reshape(r, bk, kv, d)
+    v = v_pool[layer, pg].reshape(r, bk, kv, d)
+    s = jnp.einsum("rkgd,rskd->rkgs", qd, k, preferred_element_type=jnp.float32) * scale
+    kpos = j * bk + offs
+    valid = (kpos[None] < lane_len[:, None]) & (kpos[None] > lane_q[:, None] - window)
+    return _update(carry, s, valid[:, None, None], v, "rkgs,rskd->rkgd")
+
+  dec = _finish(jax.lax.fori_loop(0, blocks[0], lane_block, init(r)), q_NxHxD.dtype)
+
+  # packed prefill: every token against the step's prompt pages, same sequence only
+  def packed_block(j, carry):
+    sl = lambda a: jax.lax.dynamic_slice_in_dim(a, j * bp, bp)  # noqa: E731
+    pg, seq, start, fill = sl(pages), sl(page_seq), sl(page_start), sl(page_fill)
+    k = k_pool[layer, pg].reshape(bk, kv, d)
+    v = v_pool[layer, pg].reshape(bk, kv, d)
+    s = jnp.einsum("nkgd,skd->nkgs", q, k, preferred_element_type=jnp.float32) * scale
+    within = jnp.arange(ps, dtype=jnp.int32)
+    kpos = (start[:, None] + within[None]).reshape(bk)
+    kvalid = (within[None] < fill[:, None]).reshape(bk)
+    kseq = jnp.repeat(seq, ps)
+    valid = ((token_seq[:, None] == kseq[None]) & kvalid[None] & (kpos[None] <= positions[:, None])
+             & (kpos[None] > positions[:, None] - window))
+    return _update(carry, s, valid[:, None, None], v, "nkgs,skd->nkgd")
+
+  pre = _finish(jax.lax.fori_loop(0, blocks[1], packed_block, init(n)), q_NxHxD.dtype)
+  is_lane = (lane_len > 0)[:, None, None, None]
+  out = pre.at[:r].set(jnp.where(is_lane, dec, pre[:r]))
+  return out.reshape(n, h, d)
