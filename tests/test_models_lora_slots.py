@@ -99,3 +99,22 @@ def test_residual_entry_serves_packed_plus_low_rank(setup):
   np.testing.assert_allclose(out[0], np.asarray(alone(jnp.asarray(ids)))[0], atol=1e-4)
   plain = from_tensors(cfg, apply_delta(base_sd, delta, hf_layout=True), jnp.float32)
   np.testing.assert_allclose(out[1], np.asarray(plain(jnp.asarray(ids)))[0], atol=1e-4)
+
+
+def test_lora_delta_of_many_rows_equals_each_rows_slot_product():
+  """A ragged step has a row per token: above 64 rows the slot factors are applied with a
+  one-hot instead of a gather per row; both must equal x · A[s] · B[s] row by row."""
+  import jax.numpy as jnp
+
+  from bitdelta_jax.models.layers import _lora_delta
+
+  rng = np.random.default_rng(0)
+  a = rng.standard_normal((4, 12, 3)).astype(np.float32)
+  b = rng.standard_normal((4, 3, 7)).astype(np.float32)
+  for rows in (5, 100):
+    x = rng.standard_normal((rows, 1, 12)).astype(np.float32)
+    slots = rng.integers(0, 4, rows).astype(np.int32)
+    got = np.asarray(_lora_delta(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b),
+                                 jnp.asarray(slots)))
+    want = np.stack([x[i] @ a[s] @ b[s] for i, s in enumerate(slots)])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

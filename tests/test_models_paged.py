@@ -375,3 +375,17 @@ def test_n_choices_fork_whatever_call_computes_the_leaders_last_prompt_token(gen
         gen.step()
       gen.finish(s)
       assert s.generated == outs[i], (n, i)
+
+
+def test_prng_key_on_the_host_equals_jax_keys():
+  import jax
+
+  from bitdelta_jax.models.paged_batch import prng_key
+
+  for seed in (0, 7, 123456789, 2**31 - 1, 2**32 - 1, -5, 2**40 + 3):
+    for choice in (0, 1, 2, 15, 2**31):
+      key = jax.random.PRNGKey(seed)
+      if choice:
+        key = jax.random.fold_in(key, choice)
+      np.testing.assert_array_equal(prng_key(seed, choice),
+                                    np.asarray(jax.random.key_data(key), np.uint32))

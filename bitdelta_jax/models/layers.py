@@ -160,6 +160,22 @@ def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k:
   return (alpha * signs).reshape(b, t, k)
 
 
+_LORA_GATHER_MAX_ROWS = 64  # above: every slot's factors once, rows picked by a one-hot
+
+
+def _lora_delta(x_BxTxK, a_SxKxR, b_SxRxN, slot_ids_B) -> jax.Array:
+  """f32 ``x · A[s] · B[s]`` with each row's slot ``s``. Few rows gather their slot's factors;
+  many rows (a ragged step has a row per token) multiply by every slot's and keep their own,
+  which reads the factors once instead of once per row."""
+  x = x_BxTxK.astype(jnp.float32)
+  if x.shape[0] <= _LORA_GATHER_MAX_ROWS:
+    xa = jnp.einsum("btk,bkr->btr", x, _rows(a_SxKxR, slot_ids_B))
+    return jnp.einsum("btr,brn->btn", xa, _rows(b_SxRxN, slot_ids_B))
+  onehot = (slot_ids_B[:, None] == jnp.arange(a_SxKxR.shape[0])[None]).astype(jnp.float32)
+  xa = jnp.einsum("btk,skr->btsr", x, a_SxKxR) * onehot[:, None, :, None]
+  return jnp.einsum("btsr,srn->btn", xa, b_SxRxN)
+
+
 class DeltaDense(nnx.Module):
   """A Linear layer ``[in, out]`` with an optional bank of 1-bit variant deltas.
 
@@ -217,10 +233,8 @@ class DeltaDense(nnx.Module):
         group_k=self.group_k,
       ).reshape(b, t, self.out_features)
       if self.lora_a is not None:
-        a = _rows(self.lora_a[...], slot_ids)  # [B, in, r]
-        bb = _rows(self.lora_b[...], slot_ids)  # [B, r, out]
-        xa = jnp.einsum("btk,bkr->btr", x_BxTxK.astype(jnp.float32), a)
-        y = (y.astype(jnp.float32) + jnp.einsum("btr,brn->btn", xa, bb)).astype(y.dtype)
+        lora = _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...], slot_ids)
+        y = (y.astype(jnp.float32) + lora).astype(y.dtype)
     else:
       y = _base_matmul(x_BxTxK, kernel, self.implementation)
     if self.bias is not None:

@@ -153,14 +153,33 @@ def copy_pages_impl(k_pool, v_pool, src, dst):
   return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
 
 
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def _threefry2x32(key: tuple[int, int], x: tuple[int, int]) -> tuple[int, int]:
+  """JAX's threefry-2x32 hash (20 rounds) of one 2-word block, in plain integers."""
+  mask = 0xFFFFFFFF
+  ks = (key[0], key[1], key[0] ^ key[1] ^ 0x1BD11BDA)
+  x0, x1 = (x[0] + ks[0]) & mask, (x[1] + ks[1]) & mask
+  for i in range(5):
+    for r in _ROTATIONS[i % 2]:
+      x0 = (x0 + x1) & mask
+      x1 = ((x1 << r) | (x1 >> (32 - r))) & mask
+      x1 ^= x0
+    x0 = (x0 + ks[(i + 1) % 3]) & mask
+    x1 = (x1 + ks[(i + 2) % 3] + i + 1) & mask
+  return x0, x1
+
+
 def prng_key(seed: int, choice: int = 0) -> np.ndarray:
-  """The key of choice ``choice`` of a request as host data: ``PRNGKey(seed)`` (threefry) for
-  the first, ``fold_in(PRNGKey(seed), choice)`` for the others, so that choice 0 of ``n``
-  equals the single answer and every choice is reproducible on its own."""
-  key = jax.random.PRNGKey(seed)
+  """The key of choice ``choice`` of a request as host data, computed without JAX (the
+  scheduler never touches a device): ``PRNGKey(seed)`` (threefry) for the first,
+  ``fold_in(PRNGKey(seed), choice)`` for the others, so that choice 0 of ``n`` equals the
+  single answer and every choice is reproducible on its own."""
+  key = (0, int(seed) & 0xFFFFFFFF)  # PRNGKey(seed) with 32-bit integers (jax's default)
   if choice:
-    key = jax.random.fold_in(key, choice)
-  return np.asarray(jax.random.key_data(key), np.uint32)
+    key = _threefry2x32(key, (0, int(choice) & 0xFFFFFFFF))
+  return np.asarray(key, np.uint32)
 
 
 @dataclasses.dataclass(eq=False)
