@@ -115,14 +115,19 @@ def requests():
   ]
 
 
-def run(mesh) -> dict:
+def run(mesh, scan: bool = False) -> dict:
+  """The requests on ``mesh`` (None: one device). ``scan``: the layers as one scan over stacked
+  states, every step program compiled ahead of time and the compile guard on."""
   model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
   vs = variants(model)
   for slot in (1, 2):
     load_variant(model, slot, vs[slot])
   gen = PagedGenerator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8,
-                       prefill_chunk=32)
+                       prefill_chunk=32, scan_layers=scan)
   gen.load_variant(3, vs[3])  # after sharding: written shard by shard on a mesh
+  if scan:
+    gen.warmup()
+    gen.runner.guard = True
   out: dict = {}
   for name, prompt, slot, params, n in requests():
     gen.add_n(prompt, slot, params, [(name, c) for c in range(n)])
@@ -151,7 +156,7 @@ def all_gathers(gen) -> dict:
   gen.add(list(range(3, 40)), 2, SamplingParams(max_new_tokens=1))
   gen._admit()
   _, prefill, _ = gen._plan()
-  batch, _, _, base_only = gen._prefill_batch(prefill)
+  batch, _, _, base_only = gen._batch([], prefill)
   txt = gen.runner.lower(batch, base_only).compile().as_text()
   shapes = [re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line) for line in txt.splitlines()
             if " all-gather(" in line or "all-gather-start(" in line]
@@ -165,6 +170,7 @@ def main(path: str) -> None:
   for spec in ("1x8", "2x4"):
     d, m = map(int, spec.split("x"))
     rep["meshes"][spec] = run(sharding.make_mesh(f"data={d},model={m}"))
+  rep["meshes"]["2x4_scan"] = run(sharding.make_mesh("data=2,model=4"), scan=True)
   pathlib.Path(path).write_text(json.dumps(rep))
 
 

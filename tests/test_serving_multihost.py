@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import signal
@@ -73,22 +74,18 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
 
   from bitdelta_jax.models import step_plan
   from bitdelta_jax.models.controls import LogitControls
-  from bitdelta_jax.models.paged_batch import PagedBatch
 
   rng = np.random.default_rng(0)
-  fields = {f: rng.integers(0, 99, (4, 8)).astype(np.int32) for f in (
-    "tokens", "positions", "seq", "write_page", "write_offset", "pages", "page_seq",
-    "page_start", "page_fill")}
-  fields.update(slot_ids=np.arange(4, dtype=np.int32), out_index=np.arange(4, dtype=np.int32),
-                out_slot_ids=np.zeros(4, np.int32), keys=rng.integers(0, 2**32, (4, 2),
-                                                                       dtype=np.uint32),
-                key_pos=np.arange(4, dtype=np.int32), temperature=rng.random(4, np.float32),
-                top_p=np.ones(4, np.float32), top_k=np.zeros(4, np.int32),
-                want_logprobs=np.array([True, False, True, False]),
-                score_index=np.zeros(0, np.int32), score_slot_ids=np.zeros(0, np.int32),
-                score_target=np.zeros(0, np.int32))
+  empty = _shapes().empty(8)  # a ragged batch of 8 tokens, 4 lanes and outputs
+  fields = {}
+  for f in dataclasses.fields(empty):
+    a = getattr(empty, f.name)
+    if a is None:
+      continue
+    fields[f.name] = (rng.random(a.shape) < 0.5 if a.dtype == bool else
+                      rng.integers(0, 99, a.shape).astype(a.dtype))
   for controls in (None, LogitControls.neutral(4, 100, 16)):
-    batch = PagedBatch(**fields, controls=controls)
+    batch = dataclasses.replace(empty, **fields, controls=controls)
     data = step_plan.encode("run", step_plan.batch_fields(batch, True))
     op, got = step_plan.decode(data)
     back, base_only = step_plan.batch_of(got)
@@ -180,17 +177,20 @@ class FakeRunner:
   def refresh(self):
     self.calls.append(("refresh",))
 
+  def compile_all(self, forms, threads=2, progress=None):
+    self.calls.append(("compile", tuple(forms), threads))
+    return 0.0
+
+
+def _shapes():
+  from bitdelta_jax.models.paged_batch import StepShapes
+
+  return StepShapes(max_rows=4, max_step_tokens=12, max_pages_per_seq=6, page_size=4,
+                    block_pages=2, vocab_size=100, max_seq_len=24)
+
 
 def _tiny_batch():
-  import numpy as np
-
-  from bitdelta_jax.models.paged_batch import PagedBatch
-
-  z = np.zeros((1, 4), np.int32)
-  o = np.zeros((1,), np.int32)
-  return PagedBatch(z, z, z, z, z, z, z, z, z, o, o, o, np.zeros((1, 2), np.uint32), o,
-                    np.ones(1, np.float32), np.ones(1, np.float32), o, None, np.zeros(1, bool),
-                    np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int32))
+  return _shapes().empty(4)
 
 
 def test_leader_plans_replay_identically_on_a_follower():
@@ -198,6 +198,7 @@ def test_leader_plans_replay_identically_on_a_follower():
 
   sent = []
   lead = multihost.LeaderRunner(FakeRunner(), sent.append, timeout_s=5)
+  lead.compile_all((True, False), threads=3)
   assert lead.run(_tiny_batch(), True) == 4
   lead.copy_pages([3], [7])
   lead.load_variant(2, multihost.VariantRef("/deltas/v0"))
@@ -218,9 +219,9 @@ def test_leader_plans_replay_identically_on_a_follower():
       pass
   assert follower.calls == lead.runner.calls
   assert ("load", 2, "/deltas/v0") in follower.calls
-  assert [step_plan.decode(d)[0] for d in sent] == ["run", "copy", "load", "clear", "refresh",
-                                                   "ping", "load"]
-  assert lead.plans == 7 and lead.plan_bytes == sum(map(len, sent))
+  assert [step_plan.decode(d)[0] for d in sent] == ["compile", "run", "copy", "load", "clear",
+                                                   "refresh", "ping", "load"]
+  assert lead.plans == 8 and lead.plan_bytes == sum(map(len, sent))
 
 
 def test_leader_times_out_then_fails_fast():

@@ -231,7 +231,7 @@ class PagedRunner:
 
   def _layer_shardings(self):
     """The stacked states' shardings on a mesh: each layer leaf's, with the layer axis whole."""
-    if self.mesh is None or self._stacked is None:
+    if self.mesh is None or not self.scan_layers:
       return None
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
