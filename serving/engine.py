@@ -184,7 +184,8 @@ class Engine:
       gen = self.gen = self._build()
       if self.cfg.warmup:
         took = gen.warmup(progress=log.info)
-        log.info("warm-up: %d step programs in %.1f s", gen.compiles, took)
+        log.info("warm-up: %d step programs in %.1f s (%d from the step cache)", gen.compiles,
+                 took, gen.runner.loaded_programs)
         gen.runner.guard = self.cfg.forbid_compile_after_warmup
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
       self._ready.set_exception(e)
@@ -402,6 +403,22 @@ def _prompt_entries(r: GenRequest) -> list | None:
   return out
 
 
+def _cache_root() -> str:
+  import os
+
+  return os.environ.get("BITDELTA_CACHE") or os.path.expanduser("~/.cache/bitdelta_jax")
+
+
+def step_cache_dir() -> str | None:
+  """Where compiled step programs are kept whole (`bitdelta_jax.models.step_cache`):
+  ``$BITDELTA_CACHE/steps``; None with ``BITDELTA_COMPILE_CACHE=0``."""
+  import os
+
+  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0":
+    return None
+  return os.path.join(_cache_root(), "steps")
+
+
 def enable_compile_cache() -> None:
   """Keeps compiled executables on disk (``$BITDELTA_CACHE/xla``, default
   ``~/.cache/bitdelta_jax/xla``) so a restarted server skips most of its warm-up compiles.
@@ -412,8 +429,7 @@ def enable_compile_cache() -> None:
 
   if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
     return
-  root = os.environ.get("BITDELTA_CACHE") or os.path.expanduser("~/.cache/bitdelta_jax")
-  jax.config.update("jax_compilation_cache_dir", os.path.join(root, "xla"))
+  jax.config.update("jax_compilation_cache_dir", os.path.join(_cache_root(), "xla"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
@@ -459,4 +475,4 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
   return PagedGenerator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
                         page_size=cfg.page_size, num_pages=num_pages,
                         prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
-                        tokenizer=tokenizer, mesh=mesh)
+                        tokenizer=tokenizer, mesh=mesh, step_cache_dir=step_cache_dir())

@@ -389,3 +389,25 @@ def test_prng_key_on_the_host_equals_jax_keys():
         key = jax.random.fold_in(key, choice)
       np.testing.assert_array_equal(prng_key(seed, choice),
                                     np.asarray(jax.random.key_data(key), np.uint32))
+
+
+def test_step_cache_loads_every_program_and_gives_the_same_tokens(llama_path, tmp_path):
+  hf, path = llama_path
+  kw = dict(max_rows=2, max_seq_len=32, page_size=4, prefill_chunk=6, step_cache_dir=tmp_path)
+  prompts = [PROMPTS[0], PROMPTS[1]]
+  first = PagedGenerator(from_pretrained(path, jnp.float32), **kw)
+  first.warmup()
+  assert first.runner.loaded_programs == 0 and first.compiles == 4  # buckets 1, 2, 4, 8
+  files = sorted(tmp_path.iterdir())
+  assert len(files) == 4
+  files[0].write_bytes(b"not a program")  # a bad entry is a miss, compiled and saved again
+  again = PagedGenerator(from_pretrained(path, jnp.float32), **kw)
+  again.warmup()
+  assert again.runner.loaded_programs == 3 and again.compiles == 4
+  again.runner.guard = True
+  res = again.generate(prompts, params=SamplingParams(max_new_tokens=6))
+  for p, r in zip(prompts, res):
+    assert r.tokens == hf_greedy(hf, p, 6)
+  other = PagedGenerator(from_pretrained(path, jnp.float32), **{**kw, "max_seq_len": 40})
+  other.warmup()  # other shapes: other keys, nothing loaded
+  assert other.runner.loaded_programs == 0

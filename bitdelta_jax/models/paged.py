@@ -92,6 +92,7 @@ class PagedGenerator:
     runner=None,
     block_pages: int | None = None,
     scan_layers: bool | None = None,
+    step_cache_dir=None,
   ):
     if page_size < 1 or prefill_chunk < 1 or max_rows < 1:
       raise ValueError("page_size, prefill_chunk and max_rows must be >= 1")
@@ -114,7 +115,7 @@ class PagedGenerator:
       vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
     self.runner = runner if runner is not None else PagedRunner(
       model, shapes=self.shapes, num_pages=int(num_pages), mesh=mesh, rules=rules,
-      scan_layers=scan_layers)
+      scan_layers=scan_layers, step_cache_dir=step_cache_dir)
     self.slot_epoch = [0] * cfg.num_slots
     self.waiting: deque[Seq] = deque()
     self.running: list[Seq] = []

@@ -38,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
+from bitdelta_jax.models import step_cache
 from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.llama import stack_layers
 from bitdelta_jax.models.mesh_layout import MeshLayout
@@ -48,6 +49,18 @@ from bitdelta_jax.models.paged_batch import (
   copy_pages_impl,
   run_impl,
 )
+
+
+def _register_native_kernels() -> None:
+  """Registers the CPU kernels' FFI targets, which a program loaded from the step cache calls
+  without having been traced (tracing is what registers them otherwise)."""
+  if jax.default_backend() != "cpu":
+    return
+  from pallas_kernels.delta_matmul import cpu as delta_cpu
+  from pallas_kernels.small_matmul import cpu as small_cpu
+
+  delta_cpu.isa()
+  small_cpu._load()
 
 
 def scan_layers_default() -> bool:
@@ -69,7 +82,7 @@ class PagedRunner:
   """Device state of the paged engine and the calls that change it; see the module docstring."""
 
   def __init__(self, model, *, shapes: StepShapes, num_pages: int, mesh=None, rules=None,
-               scan_layers: bool | None = None):
+               scan_layers: bool | None = None, step_cache_dir=None):
     cfg = model.config
     self.model = model
     self.shapes = shapes
@@ -98,6 +111,9 @@ class PagedRunner:
     self.guard = False  # raise on a step the warm-up did not compile
     self.compiles_after_warmup = 0  # steps compiled lazily after `compile_all` (guard off)
     self.warm = False
+    # compiled steps on disk (`step_cache`): one process only (see that module)
+    self.step_cache_dir = step_cache_dir if jax.process_count() == 1 else None
+    self.loaded_programs = 0  # programs `compile_all` took from the step cache
 
   @property
   def mesh(self):
@@ -149,24 +165,49 @@ class PagedRunner:
     todo = [(n, f) for f in forms for n in self.shapes.buckets()
             if (n, f) not in self._compiled]
 
+    cache = self.step_cache_dir
+    if cache is not None:
+      _register_native_kernels()
+
     def one(key):
       n, f = key
       t = time.perf_counter()
-      compiled = self.lower(self.shapes.empty(n), f).compile()
+      ck = step_cache.step_key(self._program_parts(n, f)) if cache is not None else None
+      compiled = step_cache.load(cache, ck) if cache is not None else None
+      how = "loaded"
+      if compiled is None:
+        how = "compiled"
+        compiled = self.lower(self.shapes.empty(n), f).compile()
+        if cache is not None:
+          step_cache.save(cache, ck, compiled)
       if progress:
-        progress(f"compiled the {'base-only' if f else 'variant'} step of {n} tokens "
+        progress(f"{how} the {'base-only' if f else 'variant'} step of {n} tokens "
                  f"({time.perf_counter() - t:.1f} s)")
-      return key, compiled
+      return key, compiled, how == "loaded"
 
     with ThreadPoolExecutor(max(1, threads)) as ex:
-      for key, compiled in ex.map(one, todo):
+      for key, compiled, loaded in ex.map(one, todo):
         self._compiled[key] = compiled
+        self.loaded_programs += loaded
     if self._copy_compiled is None:
       z = np.zeros((COPY_BATCH,), np.int32)
       self._copy_compiled = self._copy_pages.lower(self.k_pool, self.v_pool,
                                                    *self._replicated((z, z))).compile()
     self.warm = True
     return time.perf_counter() - t0
+
+  def _program_parts(self, n: int, base_only: bool) -> tuple:
+    """What the step program of ``n`` tokens depends on, besides the code (`step_cache`):
+    the model's config and every input's shape, dtype and sharding."""
+    def avals(tree):
+      return [(a.shape, str(a.dtype), str(getattr(a, "sharding", None)))
+              for a in jax.tree.leaves(tree)]
+
+    batch = self._inputs(self.shapes.empty(n))
+    return (repr(self.model.config), str(self.model.dtype), str(jax.tree.structure(self.state)),
+            avals(self.state), avals(self._layer_states()), avals((self.k_pool, self.v_pool)),
+            avals(batch), repr(self.shapes), n, bool(base_only), self.scan_layers,
+            str(self.mesh))
 
   def _inputs(self, batch: PagedBatch) -> PagedBatch:
     if batch.controls is None:

@@ -1,0 +1,106 @@
+"""Compiled step programs kept on disk, so that a restarted server neither traces nor lowers.
+
+JAX's persistent compilation cache (which the server turns on) skips XLA's compile, but every
+program must still be traced and lowered before the cache is consulted: for SmolLM2's 30
+unrolled layers that is ~1.1 s of Python a program (GIL-bound, so threads do not help) and
+~0.75 s to load it, for the 14-22 step programs of a server. This cache stores each compiled
+step whole (`jax.experimental.serialize_executable`) under a key of everything the program
+depends on, and loads it without tracing:
+
+    key = step_key(parts)            # a hash of the code, the versions, the machine, the shapes
+    compiled = load(root, key)       # None when absent or unreadable (then compile and `save`)
+
+The key covers the source of `bitdelta_jax` and `pallas_kernels` (every .py and .cc file), the
+jax and jaxlib versions, the backend and its devices, the CPU model and flags, ``XLA_FLAGS``,
+and the caller's parts (model config, dtypes, every input's shape, dtype and sharding, static
+arguments). A stale or foreign entry therefore never matches; an entry that fails to load is
+ignored (and overwritten by the next save). Single-process only: the engine does not use it
+across processes, where each process's executable is one part of a distributed program.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import platform
+
+log = logging.getLogger("bitdelta_jax.step_cache")
+
+_ROOTS = ("bitdelta_jax", "pallas_kernels")
+
+
+@functools.cache
+def code_fingerprint() -> str:
+  """A hash of every .py and .cc file of the packages that build the step."""
+  top = pathlib.Path(__file__).resolve().parents[2]
+  h = hashlib.sha256()
+  for root in _ROOTS:
+    for p in sorted((top / root).rglob("*")):
+      if p.suffix in (".py", ".cc") and p.is_file():
+        h.update(str(p.relative_to(top)).encode())
+        h.update(p.read_bytes())
+  return h.hexdigest()
+
+
+@functools.cache
+def _machine() -> str:
+  cpu = ""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("model name", "flags")):
+          cpu += line
+          if line.startswith("flags"):
+            break
+  except OSError:
+    cpu = platform.processor()
+  return cpu
+
+
+def step_key(parts) -> str:
+  """The cache key of a program built from ``parts`` (any repr-able values) on this machine."""
+  import jax
+  import jaxlib
+
+  devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+  full = (code_fingerprint(), jax.__version__, jaxlib.__version__, jax.default_backend(),
+          devices, os.environ.get("XLA_FLAGS", ""), _machine(), parts)
+  return hashlib.sha256(repr(full).encode()).hexdigest()
+
+
+def _path(root, key: str) -> pathlib.Path:
+  return pathlib.Path(root) / f"step-{key[:40]}.bin"
+
+
+def load(root, key: str):
+  """The compiled program stored under ``key``, or None."""
+  path = _path(root, key)
+  if not path.exists():
+    return None
+  try:
+    from jax.experimental.serialize_executable import deserialize_and_load
+
+    payload, in_tree, out_tree = pickle.loads(path.read_bytes())
+    return deserialize_and_load(payload, in_tree, out_tree)
+  except Exception as e:  # noqa: BLE001  a bad entry is a cache miss, never an error
+    log.warning("step cache: ignoring %s (%s: %s)", path.name, type(e).__name__, e)
+    return None
+
+
+def save(root, key: str, compiled) -> None:
+  """Stores ``compiled`` under ``key`` (atomically; failures only log)."""
+  try:
+    from jax.experimental.serialize_executable import serialize
+
+    data = pickle.dumps(serialize(compiled))
+    path = _path(root, key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+  except Exception as e:  # noqa: BLE001
+    log.warning("step cache: not saved (%s: %s)", type(e).__name__, e)
