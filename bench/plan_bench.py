@@ -1,6 +1,6 @@
 """What a multi-process server pays per step to send its plan: bytes and microseconds.
 
-Builds the engine's real batches (`PagedGenerator._decode_batch` / `_prefill_batch` on the
+Builds the engine's real ragged batches (`PagedGenerator._batch` on the
 SmolLM2-135M config, no weights needed: only the scheduler runs) for decode steps of 1, 8 and
 32 rows and prefill chunks of 64 and 512 tokens, with and without logit controls (a grammar
 mask and a penalty history), and measures for each: the plan's size (`step_plan.encode`), the
@@ -63,7 +63,7 @@ def cases() -> dict:
         s.n_cached = len(s.tokens) - 1
       g.waiting.clear()
       g.running = list(seqs)
-      batch, *_ , base_only = g._decode_batch([(s, 1) for s in seqs])
+      batch, *_, base_only = g._batch([(s, 1) for s in seqs], [])
       out[f"decode {rows} rows, {name}"] = step_plan.batch_fields(batch, base_only)
   for tokens in (64, 512):
     g = _scheduler(8)
@@ -71,7 +71,7 @@ def cases() -> dict:
     g.waiting.clear()
     s.pages = [g.pool.allocate() for _ in range(-(-tokens // PAGE))]
     g.running = [s]
-    batch, *_, base_only = g._prefill_batch([(s, tokens)])
+    batch, *_, base_only = g._batch([], [(s, tokens)])
     out[f"prefill {tokens} tokens"] = step_plan.batch_fields(batch, base_only)
   return out
 

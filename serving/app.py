@@ -100,11 +100,9 @@ class Server:
     emb = cfg.embedding_slots
     if emb is None:
       emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
-    # 1-bit embedding deltas: packed per-slot banks (1/32 of the dense ones); a mesh has
-    # partition rules for the dense banks only, so there they are densified on load
+    # 1-bit embedding deltas: packed per-slot banks (1/32 of the dense ones; replicated on a
+    # mesh, where the dense banks are split by vocabulary)
     packed = any(isinstance(m, dict) and packs_embeddings(m) for m in manifests.values())
-    if packed and cfg.sharded:
-      emb, packed = True, False
     lora_rank = cfg.lora_rank
     if lora_rank is None:
       lora_rank = max([m["lora_rank"] for m in manifests.values()
@@ -117,9 +115,6 @@ class Server:
       most = max([added_tokens(m, vocab) for m in manifests.values() if isinstance(m, dict)],
                  default=0)
       extra = -(-most // 64) * 64
-    if extra and cfg.sharded:
-      raise ConfigError("extra_vocab: variants that add tokens are served on one device only "
-                        "(no --mesh, one process)")
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
                              lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
                              vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed,

@@ -459,7 +459,9 @@ def build_generator(cfg: ServerConfig, *, embedding_slots: bool = False, lora_ra
     model = model_factory()
   elif mesh is not None:
     model = sharding.restore_base(cfg.base, mesh, dtype, num_slots=cfg.device_slots + 1,
-                                  dense_embedding_slots=embedding_slots, lora_rank=lora_rank)
+                                  dense_embedding_slots=embedding_slots, lora_rank=lora_rank,
+                                  extra_vocab=extra_vocab,
+                                  packed_embedding_slots=packed_embedding_slots)
   else:
     from bitdelta_jax.models import from_pretrained
 

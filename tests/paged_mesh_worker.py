@@ -28,7 +28,7 @@ from flax import nnx  # noqa: E402
 
 from bitdelta_jax import sharding  # noqa: E402
 from bitdelta_jax.delta.compress import Dense  # noqa: E402
-from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
+from bitdelta_jax.delta.format import PackedDelta, packed_rows  # noqa: E402
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
 from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
 from bitdelta_jax.models.paged_batch import finish_reason  # noqa: E402
@@ -39,13 +39,28 @@ from bitdelta_jax.models.slots import LoraEntry, _targets, load_variant  # noqa:
 # row-parallel on model=4 and column-parallel on model=8 (whole bit-plane groups, rules.py)
 CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,
-                  num_slots=5, dense_embedding_slots=True, lora_rank=4)
+                  num_slots=6, dense_embedding_slots=True, lora_rank=4,
+                  packed_embedding_slots=True, extra_vocab=8)
 
 
 def variants(model) -> dict[int, dict]:
   """slot 1: 1-bit, one α per matrix; slot 2: 1-bit per column + changed embeddings, LM head,
-  norms and biases; slot 3: a LoRA of rank 4 on every linear layer."""
-  out: dict[int, dict] = {1: {}, 2: {}, 3: {}}
+  norms and biases; slot 3: a LoRA of rank 4 on every linear layer; slot 4: 3 added tokens
+  (rows past the base vocabulary in the embedding and the LM head, the head's strongly
+  preferred); slot 5: 1-bit embeddings and LM head (packed banks, one α per token)."""
+  out: dict[int, dict] = {1: {}, 2: {}, 3: {}, 4: {}, 5: {}}
+  rng = np.random.default_rng(4)
+  for name, (mod, role) in _targets(model).items():
+    if role not in ("embed", "head"):
+      continue
+    w = np.asarray(mod.weight.get_value() if role == "embed" else mod.kernel.get_value().T)
+    added = (0.5 if role == "head" else 0.05) * rng.standard_normal((3, w.shape[1]))
+    out[4][name] = Dense("value", np.concatenate([w, added]).astype(np.float32))
+    gk = mod.group_k
+    kp = packed_rows(w.shape[1], gk)
+    out[5][name] = PackedDelta(rng.integers(0, 256, (kp, w.shape[0]), dtype=np.uint8),
+                               rng.uniform(0.005, 0.01, (w.shape[0],)).astype(np.float32),
+                               (w.shape[1], w.shape[0]), gk, "column")
   for seed, slot in ((1, 1), (2, 2), (3, 3)):
     rng = np.random.default_rng(seed)
     for name, (mod, role) in _targets(model).items():
@@ -112,6 +127,8 @@ def requests():
                     logit_bias=((17, 5.0),)), 1),
     ("v2_mask", prompt(6), 2, SamplingParams(max_new_tokens=12, grammar=EvenTokens()), 1),
     ("lora_1tok_n3", [5], 3, SamplingParams(temperature=1.0, seed=2, max_new_tokens=3), 3),
+    ("grown", prompt(7), 4, SamplingParams(max_new_tokens=6, logprobs=2), 1),
+    ("packed_emb", prompt(11), 5, SamplingParams(max_new_tokens=8, logprobs=2), 1),
   ]
 
 
@@ -120,7 +137,7 @@ def run(mesh, scan: bool = False) -> dict:
   states, every step program compiled ahead of time and the compile guard on."""
   model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
   vs = variants(model)
-  for slot in (1, 2):
+  for slot in (1, 2, 4, 5):
     load_variant(model, slot, vs[slot])
   gen = PagedGenerator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8,
                        prefill_chunk=32, scan_layers=scan)

@@ -149,18 +149,20 @@ def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
       break
     ids.append(nxt)
   want = tok.decode(ids[prompt_len:])
-  cfg = ServerConfig(base=str(root / "base"), base_name="base", port=0, device_slots=1,
-                     max_batch=2, max_seq_len=64, warmup=False,
-                     variants=(("onebit", str(root / "delta")),))
-  with ServerThread(cfg) as h:
-    r = requests.post(h.url + "/v1/completions", json={
-      "model": "onebit", "prompt": "hello", "max_tokens": 8, "temperature": 0}, timeout=120)
-    assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"] == want
-    info = requests.get(h.url + "/v1/variants", timeout=30).json()["data"][0]
-    # the whole variant (1-bit linear layers and embeddings) against the same with exact
-    # (f32) embeddings: the embedding part dominates the latter
-    assert info["bytes"] * 4 < manifest_bytes(exact)
+  for mesh in (None, "data=1,model=1"):  # one device, and the sharded restore + mesh engine
+    cfg = ServerConfig(base=str(root / "base"), base_name="base", port=0, device_slots=1,
+                       max_batch=2, max_seq_len=64, warmup=False, mesh=mesh,
+                       variants=(("onebit", str(root / "delta")),))
+    with ServerThread(cfg) as h:
+      r = requests.post(h.url + "/v1/completions", json={
+        "model": "onebit", "prompt": "hello", "max_tokens": 8, "temperature": 0}, timeout=120)
+      assert r.status_code == 200, r.text
+      assert r.json()["choices"][0]["text"] == want, mesh
+      assert h.server.engine.gen.model.config.packed_embedding_slots  # packed banks, not dense
+      info = requests.get(h.url + "/v1/variants", timeout=30).json()["data"][0]
+      # the whole variant (1-bit linear layers and embeddings) against the same with exact
+      # (f32) embeddings: the embedding part dominates the latter
+      assert info["bytes"] * 4 < manifest_bytes(exact)
 
 
 def test_distilling_a_delta_with_one_bit_embeddings(pair, tmp_path):

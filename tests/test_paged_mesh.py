@@ -32,8 +32,10 @@ def report(tmp_path_factory):
 def test_every_choice_finishes_and_the_variants_matter(report):
   ref = report["one_device"]["choices"]
   want = {"base/0", "base_again/0", "v1/0", "v2_long/0", "v2_n2/0", "v2_n2/1", "lora_echo/0",
-          "v1_controls/0", "v2_mask/0", "lora_1tok_n3/0", "lora_1tok_n3/1", "lora_1tok_n3/2"}
+          "v1_controls/0", "v2_mask/0", "lora_1tok_n3/0", "lora_1tok_n3/1", "lora_1tok_n3/2",
+          "grown/0", "packed_emb/0"}
   assert set(ref) == want
+  assert any(t >= 256 for t in ref["grown/0"]["tokens"])  # it samples its added tokens
   assert ref["base/0"]["tokens"] == ref["base_again/0"]["tokens"]  # prefix-cache hit, same text
   assert ref["v1/0"]["tokens"] != ref["base/0"]["tokens"]  # the 1-bit variant changes the text
   assert ref["v2_n2/0"]["tokens"] != ref["v2_n2/1"]["tokens"]  # two sampled choices

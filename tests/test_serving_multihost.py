@@ -100,6 +100,20 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
     else:
       assert all(np.array_equal(getattr(back.controls, k), getattr(controls, k))
                  for k in ("mask", "history", "repetition"))
+  # a batch's padding (here all of it: a server's 32-token bucket) travels as a count and one
+  # value per array
+  from bitdelta_jax.models.paged_batch import StepShapes
+
+  big = StepShapes(max_rows=32, max_step_tokens=544, max_pages_per_seq=128, page_size=16,
+                   block_pages=8, vocab_size=49152, max_seq_len=2048).empty(32)
+  data = step_plan.encode("run", step_plan.batch_fields(big, False))
+  back, _ = step_plan.batch_of(step_plan.decode(data)[1])
+  raw = 0
+  for f in dataclasses.fields(big):
+    if getattr(big, f.name) is not None:
+      assert np.array_equal(getattr(back, f.name), getattr(big, f.name)), f.name
+      raw += getattr(big, f.name).nbytes
+  assert raw > 80_000 and len(data) < 1_500
   op, got = step_plan.decode(step_plan.encode("load", {"slot": 3, "path": "/d/v0", "adapter": 0,
                                                        "x": None}))
   assert (op, got) == ("load", {"slot": 3, "path": "/d/v0", "adapter": 0, "x": None})

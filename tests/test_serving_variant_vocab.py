@@ -123,6 +123,24 @@ def test_served_variant_uses_its_tokenizer_stop_token_and_added_rows(family, ser
   assert r.json()["usage"]["completion_tokens"] == len(want_ids)
 
 
+def test_a_mesh_server_serves_the_added_tokens_too(family):
+  """The sharded restore builds the added-token banks (replicated) and the mesh engine gives
+  the single-device answer (a 1x1 mesh: the path every mesh takes; 8 devices in
+  test_paged_mesh)."""
+  base_dir, v0, grown_dir, _, _ = family
+  tok = Tokenizer.from_dir(grown_dir / "tokenizer")
+  want_ids, want_text, want_reason = _reference(base_dir, grown_dir, tok.encode(PROMPT), 24)
+  cfg = ServerConfig(base=str(base_dir), base_name="base", port=0, device_slots=2, max_batch=4,
+                     max_seq_len=256, default_max_tokens=24, warmup=False,
+                     mesh="data=1,model=1", variants=(("grown", str(grown_dir)),))
+  with ServerThread(cfg) as h:
+    r = post(h, "/v1/completions", {"model": "grown", "prompt": PROMPT, "max_tokens": 24,
+                                    "temperature": 0})
+  assert r.status_code == 200, r.text
+  choice = r.json()["choices"][0]
+  assert (choice["text"], choice["finish_reason"]) == (want_text, want_reason)
+
+
 def test_chat_uses_the_variants_template(family, server):
   _, _, grown_dir, _, _ = family
   msgs = [{"role": "user", "content": "hello"}]

@@ -1,6 +1,6 @@
 """Runner calls as compact bytes: what process 0 sends the other processes of a server.
 
-    data = encode("run", batch_fields(batch, base_only))    # bytes, ~1 KB for a decode step
+    data = encode("run", batch_fields(batch, base_only))    # bytes, a few KB for a decode step
     op, fields = decode(data)
     batch, base_only = batch_of(fields)
 
@@ -13,6 +13,8 @@ runner's neutral controls. Layout (little-endian)::
     entry: u8 len(name) | name | u8 kind | payload
       kind 0 None; 1 int: i64; 2 str: u32 len | utf-8
       kind 3 array: u8 dtype code | u8 ndim | u32 dims... | raw bytes (C order)
+      kind 4 padded array: as 3, then u32 n | the first n elements | one element repeated to
+        the end (a batch's padding: page tables, lanes and tokens past the live ones)
 
 `decode` checks every length against the buffer and names what is wrong.
 """
@@ -30,7 +32,8 @@ _DTYPES = (np.dtype(np.int32), np.dtype(np.uint32), np.dtype(np.float32), np.dty
            np.dtype(np.uint8), np.dtype(np.int64), np.dtype(np.float64), np.dtype(np.int8))
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 _WIRE = tuple(d.newbyteorder("<") for d in _DTYPES)  # as sent: little-endian
-_NONE, _INT, _STR, _ARRAY = range(4)
+_NONE, _INT, _STR, _ARRAY, _PADDED = range(5)
+_MIN_TAIL = 16  # elements of repeated padding worth sending as one
 
 
 class PlanError(ValueError):
@@ -55,8 +58,14 @@ def encode(op: str, fields: Mapping[str, object] | None = None) -> bytes:
       a = np.ascontiguousarray(v)
       if a.dtype not in _CODE:
         raise TypeError(f"plan field {name!r}: dtype {a.dtype} cannot be sent")
-      out.append(struct.pack(f"<BBB{a.ndim}I", _ARRAY, _CODE[a.dtype], a.ndim, *a.shape))
-      out.append(a.astype(_WIRE[_CODE[a.dtype]], copy=False).tobytes())
+      wire = a.astype(_WIRE[_CODE[a.dtype]], copy=False).reshape(-1)
+      n = _live(wire)
+      kind = _PADDED if wire.size - n >= _MIN_TAIL else _ARRAY
+      out.append(struct.pack(f"<BBB{a.ndim}I", kind, _CODE[a.dtype], a.ndim, *a.shape))
+      if kind == _PADDED:
+        out.append(struct.pack("<I", n) + wire[: n + 1].tobytes())
+      else:
+        out.append(wire.tobytes())
   return b"".join(out)
 
 
@@ -89,7 +98,7 @@ def decode(data: bytes) -> tuple[str, dict[str, object]]:
       fields[key] = struct.unpack("<q", take(8, key))[0]
     elif kind == _STR:
       fields[key] = take(struct.unpack("<I", take(4, key))[0], key).decode()
-    elif kind == _ARRAY:
+    elif kind in (_ARRAY, _PADDED):
       code, ndim = take(2, key)
       if code >= len(_DTYPES):
         raise PlanError(f"field {key!r}: unknown dtype code {code}")
@@ -97,8 +106,21 @@ def decode(data: bytes) -> tuple[str, dict[str, object]]:
       count = 1
       for d in shape:
         count *= d
+      size = _WIRE[code].itemsize
+      if kind == _PADDED:
+        n = struct.unpack("<I", take(4, key))[0]
+        if n >= count:
+          raise PlanError(f"field {key!r}: {n} live elements of {count}")
+        at = pos
+        take((n + 1) * size, key)
+        head = np.frombuffer(buf, _WIRE[code], n + 1, at)
+        a = np.empty(count, _DTYPES[code])
+        a[:n] = head[:n]
+        a[n:] = head[n]
+        fields[key] = a.reshape(shape)
+        continue
       at = pos
-      take(count * _WIRE[code].itemsize, key)  # bounds check
+      take(count * size, key)  # bounds check
       # read-only views of the message (native order on little-endian hosts; else converted)
       a = np.frombuffer(buf, _WIRE[code], count, at).reshape(shape)
       fields[key] = a if a.dtype.isnative else a.astype(_DTYPES[code])
@@ -107,6 +129,17 @@ def decode(data: bytes) -> tuple[str, dict[str, object]]:
   if pos != len(buf):
     raise PlanError(f"{len(buf) - pos} bytes after the last field")
   return op, fields
+
+
+def _live(flat: np.ndarray) -> int:
+  """Elements before the run of the last value that ends ``flat``."""
+  if flat.size == 0:
+    return 0
+  same = flat == flat[-1]
+  if flat.dtype.kind == "f":
+    same |= np.isnan(flat) & np.isnan(flat[-1])
+  diff = np.flatnonzero(~same)
+  return int(diff[-1]) + 1 if diff.size else 0
 
 
 def _name(s: str) -> bytes:

@@ -77,17 +77,21 @@ def restore_base(
   num_slots: int = 1,
   dense_embedding_slots: bool = False,
   lora_rank: int = 0,
+  extra_vocab: int = 0,
+  packed_embedding_slots: bool = False,
   delta_implementation: str | None = None,
   rules: PartitionRules = PartitionRules(),
 ) -> LlamaForCausalLM:
   """`bitdelta_jax.models.from_pretrained`, but every array is born sharded on ``mesh``.
 
   Returns the model with its delta matmuls routed through per-shard kernels (as after
-  `shard_model`).
+  `shard_model`). Banks without a partition rule (packed 1-bit embedding banks, 1/32 of the
+  dense ones; added-token rows) are replicated.
   """
   path = Path(path)
   cfg = load_config(path, num_slots=num_slots, dense_embedding_slots=dense_embedding_slots,
-                    lora_rank=lora_rank)
+                    lora_rank=lora_rank, extra_vocab=extra_vocab,
+                    packed_embedding_slots=packed_embedding_slots)
   cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
   dtype = jnp.dtype(_config_dtype(path) if dtype is None else dtype)
   abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
