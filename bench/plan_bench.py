@@ -127,8 +127,10 @@ def main() -> None:
   lines = ["# Plan cost per step (multi-process serving)", "",
            f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores. Medians of {a.rounds} interleaved "
            "rounds; one follower on loopback (a thread of this process). `send` is from "
-           "`PlanSender.send` until the follower has decoded the plan.", "",
-           "| plan | bytes | of which array data | encode µs | decode µs | send + decode µs |",
+           "`PlanSender.send` until the follower has decoded the plan. `arrays` is the batch's "
+           "arrays as the runner gets them (a ragged batch of the token bucket, mostly padding); "
+           "the plan sends each array's trailing padding as a count and one value.", "",
+           "| plan | plan bytes | arrays, bytes | encode µs | decode µs | send + decode µs |",
            "|---|---:|---:|---:|---:|---:|"]
   for r in rows:
     lines.append(f"| {r['plan']} | {r['bytes']:,} | {r['array_bytes']:,} | {r['encode_us']:.0f} "
