@@ -207,7 +207,12 @@ def main(argv=None) -> int:
   ap.add_argument("--before", metavar="REF", help="also run an earlier commit, side by side")
   ap.add_argument("--skip-mesh", action="store_true")
   ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+  ap.add_argument("--render", action="store_true", help="rewrite engine.md from engine.json")
   args = ap.parse_args(argv)
+  if args.render:
+    res = json.loads((pathlib.Path(args.out) / "engine.json").read_text())
+    (pathlib.Path(args.out) / "engine.md").write_text(render(res))
+    return 0
   from bitdelta_jax.zoo.real_base import import_real_base
 
   base = pathlib.Path(import_real_base())
@@ -260,6 +265,18 @@ def render(res: dict) -> str:
         lambda r, g=g: f"{r[g]['slowest_request_s']} ({r[g]['slowest_request_len']})")
     row(f"growth {p[-1]}: failed requests", lambda r, g=g: r[g]["failed"])
   row("compiles after warm-up (/health)", lambda r: r["compiles_after_warmup"])
+  now = res["now"]
+  g1 = now["growth_pass1"]
+  lines += ["", "## Goals (issue 18)", "", "| goal | now | |", "|---|---|---|",
+            f"| cold start ≤ 60 s | {now['cold_start_s']} s | "
+            f"{'met' if now['cold_start_s'] <= 60 else '**missed**'} |",
+            f"| warm start ≤ 10 s | {now['warm_start_s']} s | "
+            f"{'met' if now['warm_start_s'] <= 10 else '**missed**'} |",
+            f"| no stream gap ≥ 5× the median while contexts grow (no compile) | "
+            f"{g1['gaps_over_5x']} gaps, longest {g1['gap_max_over_median']}× | "
+            f"{'met' if g1['gaps_over_5x'] == 0 else '**missed**'} |",
+            f"| no compile after warm-up (guard on) | {now.get('compiles_after_warmup')} | "
+            f"{'met' if now.get('compiles_after_warmup') == 0 else '**missed**'} |"]
   n = res["now"]["growth_pass1"]["requests"]
   lines += ["", f"Growth: {n} prompts of 1–40 tokens and then every 16 up to {MAX_SEQ_LEN - 16}, "
             "one at a time, `max_tokens` 1, while one stream decodes; its inter-token gaps "

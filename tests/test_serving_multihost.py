@@ -31,7 +31,8 @@ from serving.config import ConfigError, ServerConfig
 from serving.testing import synthetic_family
 
 STEP_TIMEOUT = 15
-REQUESTS = [(m, p) for m in ("base", "v0", "v1", "v2") for p in ("hello", "The quick brown fox")]
+REQUESTS = [(m, p) for m in ("base", "v0", "v1", "v2", "emb1", "lora")
+            for p in ("hello", "The quick brown fox")]
 
 
 def _free_port() -> int:
@@ -267,11 +268,33 @@ def test_leader_times_out_then_fails_fast():
 # -- real servers -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
+  import numpy as np
+
+  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.merge.lora import from_factors, save_adapter
+  from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
+  from serving.testing import TINY
+
   root = tmp_path_factory.mktemp("mh")
   base, deltas = synthetic_family(root, n=3)
-  cfg = ServerConfig(base=str(base), base_name="base", variants=tuple(
-    (n, str(d)) for n, d in deltas.items()), device_slots=2, max_batch=4, max_seq_len=64,
-    default_max_tokens=8, port=0, prefill_chunk=16)
+  # a variant with 1-bit embeddings (packed banks) and a PEFT LoRA adapter (LoRA banks)
+  ft = write_checkpoint(make_finetune(make_base(TINY, 0), seed=7, rel=0.05), root / "ft_emb",
+                        TINY.hf_config())
+  compress_checkpoints(base, ft, root / "emb1", embeddings="1bit", progress=False)
+  with CheckpointReader(base) as r:
+    shapes = {n: r.read(n).shape for n in r.names()}
+  rng = np.random.default_rng(3)
+  factors = {}
+  for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"):
+    out_f, in_f = shapes[name + ".weight"]
+    factors[name] = (rng.standard_normal((4, in_f)).astype(np.float32) * 0.3,
+                     rng.standard_normal((out_f, 4)).astype(np.float32) * 0.3)
+  save_adapter(from_factors(factors), root / "lora")
+  variants = [(n, str(d)) for n, d in deltas.items()]
+  variants += [("emb1", str(root / "emb1")), ("lora", str(root / "lora"))]
+  cfg = ServerConfig(base=str(base), base_name="base", variants=tuple(variants), device_slots=2,
+                     max_batch=4, max_seq_len=64, default_max_tokens=8, port=0, prefill_chunk=16)
   return root, cfg
 
 
@@ -392,7 +415,7 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
     assert 0 < plans["send_ms_mean"] < 50, plans  # encoding + sending, not the step
     assert json.loads(rich[3][0][0])["a"] in range(100)  # the schema held
     variants = requests.get(url + "/v1/variants").json()
-    assert sum(v["loads"] for v in variants["data"]) >= 3  # 3 variants through 2 slots
+    assert sum(v["loads"] for v in variants["data"]) >= 5  # 5 variants through 2 slots
 
     # a request in flight when the worker dies fails with a clear 503-class error
     r = requests.post(url + "/v1/completions", json={
