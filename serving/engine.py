@@ -9,10 +9,10 @@ One engine on every deployment (one device, a mesh, several processes): a
 `bitdelta_jax.models.paged.PagedGenerator`, whose scheduler runs here and whose runner owns
 the device state (on a mesh spanning processes, a `serving.multihost.LeaderRunner` that sends
 every call to the other processes first). Each iteration runs queued calls (slot loads), adds
-new requests, drops cancelled ones, then one ``step``: a decode call over the live rows only
-(row and length buckets, paged KV cache) and a prefill call over waiting prompts (several at
-once, mixed variants, long prompts chunked across iterations, shared prefixes reused). Each
-row's slot id mixes variants in the same batch.
+new requests, drops cancelled ones, then one ``step``: one call over a ragged token batch of
+the live sequences' decode tokens and of waiting prompts' chunks (several at once, mixed
+variants, long prompts chunked across iterations, shared prefixes reused), padded to a token
+bucket whose program the warm-up compiled. Each token's slot id mixes variants in the batch.
 
 Stops (EOS, stop strings, max tokens, context) are applied here on the host, so a finished
 sequence is freed at once. The loop takes a request's ``n`` choices of one
