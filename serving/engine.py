@@ -188,6 +188,8 @@ class Engine:
                  took, gen.runner.loaded_programs)
         gen.runner.guard = self.cfg.forbid_compile_after_warmup
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
+      if getattr(self, "gen", None) is not None:
+        self.gen.runner.release()
       self._ready.set_exception(e)
       return
     self.alive = True
@@ -199,6 +201,7 @@ class Engine:
       close = getattr(gen.runner, "close", None)
       if close is not None:  # multi-process: release the followers
         close()
+      gen.runner.release()  # the compiled programs (and their memory mappings) go now
 
   def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
     """Takes queued requests and runs queued calls; False when asked to stop. Blocking and

@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -31,7 +32,7 @@ from serving.config import ConfigError, ServerConfig
 from serving.testing import synthetic_family
 
 STEP_TIMEOUT = 15
-REQUESTS = [(m, p) for m in ("base", "v0", "v1", "v2", "emb1", "lora")
+REQUESTS = [(m, p) for m in ("base", "v0", "v1", "v2", "emb1", "lora", "grown")
             for p in ("hello", "The quick brown fox")]
 
 
@@ -291,8 +292,21 @@ def family(tmp_path_factory):
     factors[name] = (rng.standard_normal((4, in_f)).astype(np.float32) * 0.3,
                      rng.standard_normal((out_f, 4)).astype(np.float32) * 0.3)
   save_adapter(from_factors(factors), root / "lora")
+  # and a grown vocabulary: 2 added rows the LM head prefers, with the tokenizer that names them
+  from tokenizers import Tokenizer as HFTokenizer
+
+  grown = make_finetune(make_base(TINY, 0), seed=13, rel=0.3, extra_vocab=2)
+  grown["lm_head.weight"][TINY.vocab_size:] *= 50
+  gdir = write_checkpoint(grown, root / "ft_grown", TINY.hf_config(vocab_size=TINY.vocab_size + 2))
+  tk = HFTokenizer.from_file(str(base / "tokenizer.json"))
+  tk.add_tokens(["<g1>", "<g2>", "<g3>", "<g4>", "<g5>"])  # ids 261-265: rows 264, 265 added
+  tk.save(str(gdir / "tokenizer.json"))
+  for f in ("tokenizer_config.json", "special_tokens_map.json"):
+    shutil.copy(base / f, gdir)
+  compress_checkpoints(base, gdir, root / "grown", progress=False)
   variants = [(n, str(d)) for n, d in deltas.items()]
-  variants += [("emb1", str(root / "emb1")), ("lora", str(root / "lora"))]
+  variants += [("emb1", str(root / "emb1")), ("lora", str(root / "lora")),
+               ("grown", str(root / "grown"))]
   cfg = ServerConfig(base=str(base), base_name="base", variants=tuple(variants), device_slots=2,
                      max_batch=4, max_seq_len=64, default_max_tokens=8, port=0, prefill_chunk=16)
   return root, cfg
@@ -305,6 +319,8 @@ def reference(family):
     want = _answers(ref.url, parallel=False)
     rich = _rich(ref.url)
   assert len({w[0] for w in want}) > 4  # the variants differ from the base and each other
+  grown = [w[0] for (m, _), w in zip(REQUESTS, want) if m == "grown"]
+  assert any("<g4>" in t or "<g5>" in t for t in grown), grown  # it emits its added rows
   return want, rich
 
 
@@ -415,7 +431,7 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
     assert 0 < plans["send_ms_mean"] < 50, plans  # encoding + sending, not the step
     assert json.loads(rich[3][0][0])["a"] in range(100)  # the schema held
     variants = requests.get(url + "/v1/variants").json()
-    assert sum(v["loads"] for v in variants["data"]) >= 5  # 5 variants through 2 slots
+    assert sum(v["loads"] for v in variants["data"]) >= 6  # 6 variants through 2 slots
 
     # a request in flight when the worker dies fails with a clear 503-class error
     r = requests.post(url + "/v1/completions", json={

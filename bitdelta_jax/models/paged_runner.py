@@ -196,6 +196,14 @@ class PagedRunner:
     self.warm = True
     return time.perf_counter() - t0
 
+  def release(self) -> None:
+    """Drops the compiled programs (the engine calls it when its device thread ends). XLA's CPU
+    backend maps each program's code into memory mappings of its own, and a process may hold
+    65530: an engine object that outlives its server must not keep them."""
+    self._compiled.clear()
+    self._copy_compiled = None
+    self.warm = False
+
   def _program_parts(self, n: int, base_only: bool) -> tuple:
     """What the step program of ``n`` tokens depends on, besides the code (`step_cache`):
     the model's config and every input's shape, dtype and sharding."""
