@@ -12,7 +12,7 @@ the process dies with a segmentation fault inside XLA (what CI saw). ``BITDELTA_
 appends each module's mapping count before and after the cleanup to ``path``.
 
 ``slow`` marks what a developer can leave out for a quick run (``pytest -m "not slow"``, about
-3 minutes on a 2-core machine against about 20 for everything): every test of the modules that
+3 minutes on a 2-core machine against about 25 for everything): every test of the modules that
 start servers, subprocesses or the real model, and the tests that took 4 s or more in a full
 run (``--durations``). The lists are here, in one place, and CI runs everything.
 """
