@@ -206,16 +206,15 @@ class PagedRunner:
 
   def _program_parts(self, n: int, base_only: bool) -> tuple:
     """What the step program of ``n`` tokens depends on, besides the code (`step_cache`):
-    the model's config and every input's shape, dtype and sharding."""
+    the model's config and every input's shape, dtype and sharding (the batch's follow from
+    ``shapes`` and ``n``, replicated over ``mesh``)."""
     def avals(tree):
       return [(a.shape, str(a.dtype), str(getattr(a, "sharding", None)))
               for a in jax.tree.leaves(tree)]
 
-    batch = self._inputs(self.shapes.empty(n))
     return (repr(self.model.config), str(self.model.dtype), str(jax.tree.structure(self.state)),
             avals(self.state), avals(self._layer_states()), avals((self.k_pool, self.v_pool)),
-            avals(batch), repr(self.shapes), n, bool(base_only), self.scan_layers,
-            str(self.mesh))
+            repr(self.shapes), n, bool(base_only), self.scan_layers, str(self.mesh))
 
   def _inputs(self, batch: PagedBatch) -> PagedBatch:
     if batch.controls is None:
