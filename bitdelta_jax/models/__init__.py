@@ -13,36 +13,41 @@ device side), `paged_batch` (one call's data), `kv_pages`, `tokenizer` (tokenize
 template).
 """
 
-from bitdelta_jax.models.config import ConfigError, ModelConfig, RopeConfig
-from bitdelta_jax.models.layers import DeltaDense, SlotBank
-from bitdelta_jax.models.llama import LlamaForCausalLM
-from bitdelta_jax.models.loading import base_tensors, from_pretrained, from_tensors, load_config
-from bitdelta_jax.models.paged import PagedGenerator
-from bitdelta_jax.models.paged_batch import Generation
-from bitdelta_jax.models.sampling import SamplingParams
-from bitdelta_jax.models.slots import clear_slot, load_lora, load_variant, slot_bank_bytes
-from bitdelta_jax.models.tokenizer import Tokenizer
+import importlib
 
-Generator = PagedGenerator  # the public name of the one engine's offline interface
+# Public name -> module that defines it, imported on first use: the scheduler's modules
+# (`paged`, `paged_batch`, `kv_pages`, `sampling_params`) import without JAX.
+_EXPORTS = {
+  "ConfigError": "config",
+  "ModelConfig": "config",
+  "RopeConfig": "config",
+  "DeltaDense": "layers",
+  "SlotBank": "layers",
+  "LlamaForCausalLM": "llama",
+  "base_tensors": "loading",
+  "from_pretrained": "loading",
+  "from_tensors": "loading",
+  "load_config": "loading",
+  "PagedGenerator": "paged",
+  "Generation": "paged_batch",
+  "SamplingParams": "sampling_params",
+  "clear_slot": "slots",
+  "load_lora": "slots",
+  "load_variant": "slots",
+  "slot_bank_bytes": "slots",
+  "Tokenizer": "tokenizer",
+}
 
-__all__ = [
-  "ConfigError",
-  "ModelConfig",
-  "RopeConfig",
-  "Generation",
-  "Generator",
-  "PagedGenerator",
-  "DeltaDense",
-  "SlotBank",
-  "LlamaForCausalLM",
-  "base_tensors",
-  "from_pretrained",
-  "from_tensors",
-  "load_config",
-  "SamplingParams",
-  "clear_slot", "load_lora",
-  "load_variant",
-  "load_lora",
-  "slot_bank_bytes",
-  "Tokenizer",
-]
+__all__ = [*_EXPORTS, "Generator"]
+
+
+def __getattr__(name: str):
+  if name == "Generator":  # the public name of the one engine's offline interface
+    name = "PagedGenerator"
+  if name not in _EXPORTS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+def __dir__():
+  return sorted(__all__)

@@ -30,48 +30,18 @@ as lm-evaluation-harness expects, and the same whatever sampling parameters the 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-TOP_LOGPROBS = 20  # the most top alternatives a request may ask for (OpenAI's limit)
-BIAS_SLOTS = 320  # logit_bias entries (<= 300) + stop ids blocked by min_tokens
+from bitdelta_jax.models.logit_controls import (  # noqa: F401 (re-exported)
+  BIAS_SLOTS,
+  TOP_LOGPROBS,
+  LogitControls,
+  mask_words,
+)
+from bitdelta_jax.models.pytrees import register_step_data
 
-
-def mask_words(vocab_size: int) -> int:
-  return -(-vocab_size // 32)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LogitControls:
-  """Per-row controls; see the module docstring. Leading axis = rows."""
-
-  mask: jax.Array  # int32 [R, W]
-  bias_ids: jax.Array  # int32 [R, K]
-  bias_vals: jax.Array  # f32 [R, K]
-  history: jax.Array  # int32 [R, H]
-  prompt_len: jax.Array  # int32 [R]
-  presence: jax.Array  # f32 [R]
-  frequency: jax.Array  # f32 [R]
-  repetition: jax.Array  # f32 [R]
-
-  @staticmethod
-  def neutral(rows: int, vocab_size: int, history_len: int) -> LogitControls:
-    """Host arrays that change nothing."""
-    return LogitControls(
-      mask=np.full((rows, mask_words(vocab_size)), -1, np.int32),
-      bias_ids=np.full((rows, BIAS_SLOTS), -1, np.int32),
-      bias_vals=np.zeros((rows, BIAS_SLOTS), np.float32),
-      history=np.full((rows, history_len), -1, np.int32),
-      prompt_len=np.zeros((rows,), np.int32),
-      presence=np.zeros((rows,), np.float32),
-      frequency=np.zeros((rows,), np.float32),
-      repetition=np.ones((rows,), np.float32),
-    )
-
+register_step_data()
 
 def allowed_of(mask_RxW: jax.Array, vocab_size: int) -> jax.Array:
   """Bool ``[R, V]``: the tokens a bitmask allows."""

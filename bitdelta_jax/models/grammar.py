@@ -54,11 +54,12 @@ import json
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
+
+if TYPE_CHECKING:
+  import jax
 
 LLGUIDANCE_REQUIREMENT = "llguidance==1.9.1"
 CACHE_SIZE = 64
@@ -320,6 +321,8 @@ def apply_bitmask_reference(logits_RxV: np.ndarray, words_RxW: np.ndarray) -> np
 
 def apply_bitmask(logits_RxV: jax.Array, words_RxW: jax.Array) -> jax.Array:
   """jnp (jit-friendly) `apply_bitmask_reference`: bits expanded with shifts."""
+  import jax.numpy as jnp  # here: the scheduler uses this module without JAX
+
   rows, v = logits_RxV.shape
   if words_RxW.shape != (rows, bitmask_width(v)):
     raise ValueError(f"bitmask {words_RxW.shape} does not fit logits {logits_RxV.shape}")

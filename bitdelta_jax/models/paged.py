@@ -57,8 +57,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bitdelta_jax.models.controls import LogitControls
 from bitdelta_jax.models.kv_pages import OutOfPages, PagePool, page_hashes
+from bitdelta_jax.models.logit_controls import LogitControls
 from bitdelta_jax.models.paged_batch import (
   Generation,
   Seq,
@@ -69,8 +69,7 @@ from bitdelta_jax.models.paged_batch import (
   per_request,
   prng_key,
 )
-from bitdelta_jax.models.paged_runner import PagedRunner
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.models.sampling_params import SamplingParams
 
 
 class PagedGenerator:
@@ -113,9 +112,13 @@ class PagedGenerator:
       max_pages_per_seq=self.max_pages_per_seq, page_size=self.page_size,
       block_pages=int(block_pages or max(1, 128 // self.page_size)),
       vocab_size=self.vocab_size, max_seq_len=self.max_seq_len)
-    self.runner = runner if runner is not None else PagedRunner(
-      model, shapes=self.shapes, num_pages=int(num_pages), mesh=mesh, rules=rules,
-      scan_layers=scan_layers, step_cache_dir=step_cache_dir)
+    if runner is None:  # the device side; the scheduler itself never imports JAX
+      from bitdelta_jax.models.paged_runner import PagedRunner
+
+      runner = PagedRunner(
+        model, shapes=self.shapes, num_pages=int(num_pages), mesh=mesh, rules=rules,
+        scan_layers=scan_layers, step_cache_dir=step_cache_dir)
+    self.runner = runner
     self.slot_epoch = [0] * cfg.num_slots
     self.waiting: deque[Seq] = deque()
     self.running: list[Seq] = []

@@ -1,8 +1,10 @@
 """The paged engine's data: one call's batch and results, a scheduled sequence, host stops.
 
-`PagedBatch` is what one jitted call reads (`run_impl`: ``LlamaForCausalLM.forward_paged``,
-then the sampler with each output row's logit controls, then raw-logit log probabilities of the
-sampled tokens and of any prompt positions scored); `StepOutput` is what it returns. `Seq` is
+`PagedBatch` is what one jitted call reads (`bitdelta_jax.models.paged_runner.run_impl`:
+``LlamaForCausalLM.forward_paged``, then the sampler with each output row's logit controls, then
+raw-logit log probabilities of the sampled tokens and of any prompt positions scored);
+`StepOutput` is what it returns. Everything here is host data: no JAX is imported, so the
+scheduler runs without it (`bitdelta_jax.models.pytrees` registers these types for the step). `Seq` is
 one sequence as the scheduler in `bitdelta_jax.models.paged` sees it (n choices of one request
 are n `Seq`s, choice 0 leading until its prompt is computed). `finish_reason` applies the
 host-side stops.
@@ -13,63 +15,58 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from bitdelta_jax.models.controls import LogitControls, logprobs_of
-from bitdelta_jax.models.sampling import SamplingParams, row_keys, sample
+from bitdelta_jax.models.logit_controls import LogitControls
+from bitdelta_jax.models.sampling_params import SamplingParams
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
   """One step's inputs: a ragged batch of N tokens (decode tokens first, then prompt chunks),
   R decode lanes and sampled outputs (R = min(N, max_rows)), U prompt pages. The shapes depend
   on N only; see `pallas_kernels.paged_attention` for how attention reads them."""
 
-  tokens: jax.Array  # int32 [N]
-  positions: jax.Array  # int32 [N] position of each token in its own sequence
-  slot_ids: jax.Array  # int32 [N] each token's variant slot
-  token_seq: jax.Array  # int32 [N] index of a prompt token's sequence in `pages` (-1: none)
-  write_page: jax.Array  # int32 [N] where each token's K/V goes (page 0: padding)
-  write_offset: jax.Array  # int32 [N]
-  lane_pages: jax.Array  # int32 [R, P] page table of the decode token at position r
-  lane_len: jax.Array  # int32 [R] its keys after this step's write (0: not a decode token)
-  pages: jax.Array  # int32 [U] the pages the prompt chunks read
-  page_seq: jax.Array  # int32 [U] sequence each page belongs to (-2: padding)
-  page_start: jax.Array  # int32 [U] position of the page's first token
-  page_fill: jax.Array  # int32 [U] valid tokens in the page after this step's writes
-  blocks: jax.Array  # int32 [2] page blocks the decode and prompt attention passes walk
-  out_index: jax.Array  # int32 [R] token index of each output (a sequence's last token)
-  out_slot_ids: jax.Array  # int32 [R]
-  keys: jax.Array  # uint32 [R, 2] the request's PRNGKey(seed)
-  key_pos: jax.Array  # int32 [R] position of the token being drawn
-  temperature: jax.Array  # f32 [R]
-  top_p: jax.Array  # f32 [R]
-  top_k: jax.Array  # int32 [R]
+  tokens: np.ndarray  # int32 [N]
+  positions: np.ndarray  # int32 [N] position of each token in its own sequence
+  slot_ids: np.ndarray  # int32 [N] each token's variant slot
+  token_seq: np.ndarray  # int32 [N] index of a prompt token's sequence in `pages` (-1: none)
+  write_page: np.ndarray  # int32 [N] where each token's K/V goes (page 0: padding)
+  write_offset: np.ndarray  # int32 [N]
+  lane_pages: np.ndarray  # int32 [R, P] page table of the decode token at position r
+  lane_len: np.ndarray  # int32 [R] its keys after this step's write (0: not a decode token)
+  pages: np.ndarray  # int32 [U] the pages the prompt chunks read
+  page_seq: np.ndarray  # int32 [U] sequence each page belongs to (-2: padding)
+  page_start: np.ndarray  # int32 [U] position of the page's first token
+  page_fill: np.ndarray  # int32 [U] valid tokens in the page after this step's writes
+  blocks: np.ndarray  # int32 [2] page blocks the decode and prompt attention passes walk
+  out_index: np.ndarray  # int32 [R] token index of each output (a sequence's last token)
+  out_slot_ids: np.ndarray  # int32 [R]
+  keys: np.ndarray  # uint32 [R, 2] the request's PRNGKey(seed)
+  key_pos: np.ndarray  # int32 [R] position of the token being drawn
+  temperature: np.ndarray  # f32 [R]
+  top_p: np.ndarray  # f32 [R]
+  top_k: np.ndarray  # int32 [R]
   controls: LogitControls  # [R, ...] mask, bias, penalties (neutral rows change nothing)
-  want_logprobs: jax.Array  # bool [R]
-  score_target: jax.Array  # int32 [N] prompt token a position's logits score (-1: none)
+  want_logprobs: np.ndarray  # bool [R]
+  score_target: np.ndarray  # int32 [N] prompt token a position's logits score (-1: none)
 
   @property
   def num_tokens(self) -> int:
     return self.tokens.shape[0]
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
   """One step's results: sampled tokens and log probabilities (raw model logits)."""
 
-  tokens: jax.Array  # int32 [R]
-  logprob: jax.Array  # f32 [R] of the sampled token (0 where not wanted)
-  top_ids: jax.Array  # int32 [R, TOP_LOGPROBS]
-  top_logprobs: jax.Array  # f32 [R, TOP_LOGPROBS]
-  score: jax.Array  # f32 [N] of each score_target (0 where none)
-  score_top_ids: jax.Array  # int32 [N, TOP_LOGPROBS]
-  score_top_logprobs: jax.Array  # f32 [N, TOP_LOGPROBS]
+  tokens: np.ndarray  # int32 [R]
+  logprob: np.ndarray  # f32 [R] of the sampled token (0 where not wanted)
+  top_ids: np.ndarray  # int32 [R, TOP_LOGPROBS]
+  top_logprobs: np.ndarray  # f32 [R, TOP_LOGPROBS]
+  score: np.ndarray  # f32 [N] of each score_target (0 where none)
+  score_top_ids: np.ndarray  # int32 [N, TOP_LOGPROBS]
+  score_top_logprobs: np.ndarray  # f32 [N, TOP_LOGPROBS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,38 +116,6 @@ class StepShapes:
       out_index=i32(r), out_slot_ids=i32(r), keys=np.zeros((r, 2), np.uint32), key_pos=i32(r),
       temperature=np.zeros((r,), np.float32), top_p=np.ones((r,), np.float32), top_k=i32(r),
       controls=None, want_logprobs=np.zeros((r,), bool), score_target=i32(n, -1))
-
-
-def run_impl(graphdef, layer_def, state, stacked, k_pool, v_pool, batch: PagedBatch,
-             base_only: bool, kv_sharding=None):
-  """The step: the forward over the ragged batch, the sampler at the outputs, log probabilities;
-  prompt positions are scored (a second logits pass over all N tokens) only when a step asks.
-  ``layer_def, stacked``: the decoder layers as one scan (`llama.stack_layers`), or None."""
-  model = nnx.merge(graphdef, state)
-  layers = None if layer_def is None else (layer_def, stacked)
-  h, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
-                                          kv_sharding=kv_sharding, layers=layers)
-  slots = None if base_only else batch.out_slot_ids
-  out_logits = model.logits(h[batch.out_index], slots)
-  keys = row_keys(batch.keys, batch.key_pos)
-  tok = sample(out_logits, keys, batch.temperature, batch.top_p, batch.top_k, batch.controls)
-  lp = logprobs_of(out_logits, tok, batch.want_logprobs)
-  target = batch.score_target
-
-  def scores(h):
-    logits = model.logits(h, None if base_only else batch.slot_ids)
-    return logprobs_of(logits, jnp.maximum(target, 0), target >= 0)
-
-  n, top = target.shape[0], lp[1].shape[1]
-  none = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, top), jnp.int32),
-          jnp.zeros((n, top), jnp.float32))
-  sc = jax.lax.cond(jnp.any(target >= 0), scores, lambda h: none, h)
-  return k_pool, v_pool, StepOutput(tok, *lp, *sc)
-
-
-def copy_pages_impl(k_pool, v_pool, src, dst):
-  """Copies whole pages ``src -> dst`` (a forked sequence's partly filled last page)."""
-  return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
 
 
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))

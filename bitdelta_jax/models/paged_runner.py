@@ -34,21 +34,53 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.models import step_cache
-from bitdelta_jax.models.controls import LogitControls
+from bitdelta_jax.models.controls import LogitControls, logprobs_of
 from bitdelta_jax.models.llama import stack_layers
 from bitdelta_jax.models.mesh_layout import MeshLayout
-from bitdelta_jax.models.paged_batch import (
-  PagedBatch,
-  StepOutput,
-  StepShapes,
-  copy_pages_impl,
-  run_impl,
-)
+from bitdelta_jax.models.paged_batch import PagedBatch, StepOutput, StepShapes
+from bitdelta_jax.models.pytrees import register_step_data
+from bitdelta_jax.models.sampling import row_keys, sample
+
+register_step_data()
+
+
+def run_impl(graphdef, layer_def, state, stacked, k_pool, v_pool, batch: PagedBatch,
+             base_only: bool, kv_sharding=None):
+  """The step: the forward over the ragged batch, the sampler at the outputs, log probabilities;
+  prompt positions are scored (a second logits pass over all N tokens) only when a step asks.
+  ``layer_def, stacked``: the decoder layers as one scan (`llama.stack_layers`), or None."""
+  model = nnx.merge(graphdef, state)
+  layers = None if layer_def is None else (layer_def, stacked)
+  h, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
+                                          kv_sharding=kv_sharding, layers=layers)
+  slots = None if base_only else batch.out_slot_ids
+  out_logits = model.logits(h[batch.out_index], slots)
+  keys = row_keys(batch.keys, batch.key_pos)
+  tok = sample(out_logits, keys, batch.temperature, batch.top_p, batch.top_k, batch.controls)
+  lp = logprobs_of(out_logits, tok, batch.want_logprobs)
+  target = batch.score_target
+
+  def scores(h):
+    logits = model.logits(h, None if base_only else batch.slot_ids)
+    return logprobs_of(logits, jnp.maximum(target, 0), target >= 0)
+
+  n, top = target.shape[0], lp[1].shape[1]
+  none = (jnp.zeros((n,), jnp.float32), jnp.zeros((n, top), jnp.int32),
+          jnp.zeros((n, top), jnp.float32))
+  sc = jax.lax.cond(jnp.any(target >= 0), scores, lambda h: none, h)
+  return k_pool, v_pool, StepOutput(tok, *lp, *sc)
+
+
+def copy_pages_impl(k_pool, v_pool, src, dst):
+  """Copies whole pages ``src -> dst`` (a forked sequence's partly filled last page)."""
+  return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+
 
 
 def _register_native_kernels() -> None:

@@ -1,0 +1,24 @@
+"""Registers the data that crosses from the scheduler to the jitted step as JAX pytrees.
+
+The scheduler's types (`paged_batch.PagedBatch`, `StepOutput`, `logit_controls.LogitControls`)
+are plain frozen dataclasses of arrays, defined without JAX so the scheduler runs in a process
+that never imports it; every module that hands them to JAX calls `register_step_data` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+
+@functools.cache
+def register_step_data() -> None:
+  """Idempotent: registers each type once, every field a data field."""
+  from bitdelta_jax.models.logit_controls import LogitControls
+  from bitdelta_jax.models.paged_batch import PagedBatch, StepOutput
+
+  for cls in (LogitControls, PagedBatch, StepOutput):
+    jax.tree_util.register_dataclass(
+      cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
