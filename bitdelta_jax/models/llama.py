@@ -34,6 +34,9 @@ from flax import nnx
 
 from bitdelta_jax.models.config import ModelConfig
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
+from bitdelta_jax.models.pytrees import register_step_data
+
+register_step_data()  # forward_paged reads a PagedBatch
 
 _NEG = float(np.finfo(np.float32).min)
 
