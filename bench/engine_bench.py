@@ -212,6 +212,7 @@ def main(argv=None) -> int:
   if args.render:
     res = json.loads((pathlib.Path(args.out) / "engine.json").read_text())
     (pathlib.Path(args.out) / "engine.md").write_text(render(res))
+    plot(res, pathlib.Path(args.out) / "engine.png")
     return 0
   from bitdelta_jax.zoo.real_base import import_real_base
 
@@ -227,8 +228,42 @@ def main(argv=None) -> int:
   out = pathlib.Path(args.out)
   (out / "engine.json").write_text(json.dumps(res, indent=1))
   (out / "engine.md").write_text(render(res))
+  plot(res, out / "engine.png")
   print(render(res))
   return 0
+
+
+def plot(res: dict, path: pathlib.Path) -> None:
+  """Start-up (cold, warm) and the longest stream gap (× the median) before and now, against
+  the goals."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cols = [c for c in ("before", "now") if c in res]
+  panels = [("start-up, s", [("cold", "cold_start_s", 60), ("warm", "warm_start_s", 10)]),
+            ("longest stream gap / median", [("pass 1", "growth_pass1", 5),
+                                             ("pass 2", "growth_pass2", 5)])]
+  fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+  for ax, (title, items) in zip(axes, panels):
+    for j, c in enumerate(cols):
+      vals = [res[c].get(k) if not k.startswith("growth") else res[c][k]["gap_max_over_median"]
+              for _, k, _ in items]
+      xs = [i + 0.38 * j for i in range(len(items))]
+      label = f"before ({res.get('before_ref')})" if c == "before" else c
+      bars = ax.bar(xs, [v or 0 for v in vals], width=0.36, label=label)
+      ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    for i, (_, _, goal) in enumerate(items):
+      ax.hlines(goal, i - 0.2, i + 0.58, colors="k", linestyles="dashed", linewidth=1)
+    ax.set_xticks([i + 0.19 for i in range(len(items))], [n for n, _, _ in items])
+    ax.set_title(title + " (dashed: goal)", fontsize=10)
+  axes[0].legend(fontsize=8)
+  fig.suptitle(f"bitdelta serve, SmolLM2-135M, {res['machine']['cpu']}, "
+               f"{res['machine']['cores']} cores", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
 
 
 def render(res: dict) -> str:
