@@ -139,10 +139,10 @@ def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot
   slots = jnp.repeat(slot_ids_B.astype(jnp.int32), t)
   slots = jnp.where((slots > 0) & used[slots], slots, -1)
   base = logits_BxTxV.reshape(b * t, v)
-  if jax.default_backend() == "cpu" and jax.device_count() == 1:
+  if jax.device_count() == 1:
     from pallas_kernels.delta_matmul import cpu
 
-    if cpu.unavailable_reason() is None:
+    if cpu.unavailable_reason() is None:  # the target platform is the CPU
       out = _packed_products_fused(base, h, bits_SxRxV, scale_SxV, slots, group_k)
       return out.reshape(b, t, v)
   return _packed_products_reference(base, h, bits_SxRxV, scale_SxV, slots, group_k

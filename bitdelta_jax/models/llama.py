@@ -258,6 +258,28 @@ class LlamaForCausalLM(nnx.Module):
               token_seq=batch.token_seq, positions=batch.positions, blocks=batch.blocks,
               block_pages=bp)
 
+    def attention(q, k_pool, v_pool, i, window, tables=kw):
+      return ragged_paged_attention(q, k_pool, v_pool, i, window=window, **tables)
+
+    heads = None if kv_sharding is None else kv_sharding.spec[1]
+    if heads is not None:
+      # KV heads split over `model`: each device attends with its own heads (and the query heads
+      # that share them), so a kernel (a custom call XLA cannot partition) reads only local
+      # pages instead of all-gathered pools. Page tables and the batch are replicated.
+      from jax.sharding import PartitionSpec as P
+
+      per_device = attention
+      q_spec, pool_spec = P(None, heads, None), P(None, None, None, heads, None)
+      tables = {k: v for k, v in kw.items() if k != "block_pages"}
+
+      def attention(q, k_pool, v_pool, i, window):
+        window = jnp.asarray(_NO_WINDOW if window is None else window, jnp.int32)
+        body = lambda q, kp, vp, i, w, t: per_device(q, kp, vp, i, w, {**t, "block_pages": bp})
+        return jax.shard_map(body, mesh=kv_sharding.mesh,
+                             in_specs=(q_spec, pool_spec, pool_spec, P(), P(), P()),
+                             out_specs=q_spec, check_vma=False)(
+          q, k_pool, v_pool, jnp.asarray(i, jnp.int32), window, tables)
+
     def run_layer(layer, x, k_pool, v_pool, i, window):
       pools = {"k": k_pool, "v": v_pool}
 
@@ -266,7 +288,7 @@ class LlamaForCausalLM(nnx.Module):
           if kv_sharding is not None:
             new = jax.lax.with_sharding_constraint(new, kv_sharding)
           pools[name] = pools[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
-        o = ragged_paged_attention(q[:, 0], pools["k"], pools["v"], i, window=window, **kw)
+        o = attention(q[:, 0], pools["k"], pools["v"], i, window)
         return o[:, None]
 
       x = layer(x, cos, sin, slot_ids, attend)

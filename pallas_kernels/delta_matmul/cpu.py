@@ -70,10 +70,10 @@ def build_target(arch: tuple[str, ...], target: str) -> int:
 
 def unavailable_reason() -> str | None:
   """None if the C++ kernel can run here, else why not."""
-  if jax.default_backend() != "cpu":
-    return (
-      f"the C++ delta kernel runs on the host CPU; the default backend is {jax.default_backend()}"
-    )
+  from pallas_kernels.platform import target_platform
+
+  if target_platform() != "cpu":
+    return f"the C++ delta kernel runs on the host CPU; the target platform is {target_platform()}"
   return _load()[1]
 
 

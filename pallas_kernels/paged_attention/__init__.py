@@ -1,5 +1,18 @@
-"""Attention of one ragged token batch over a paged KV cache (see `reference`)."""
+"""Attention of one ragged token batch over a paged KV cache (see `reference`).
 
-from .reference import ragged_paged_attention
+`ragged_paged_attention` dispatches by platform (`api`): the Mosaic GPU decode kernel
+(`mosaic_gpu`) on CUDA, the plain-jnp reference elsewhere; `lowering_platform("cuda")` selects the
+GPU path while lowering for CUDA on another backend.
+"""
 
-__all__ = ["ragged_paged_attention"]
+from ..platform import lowering_platform
+from .api import IMPLEMENTATIONS, ragged_paged_attention, unavailable_reason
+from .reference import ragged_paged_attention as ragged_paged_attention_reference
+
+__all__ = [
+  "IMPLEMENTATIONS",
+  "lowering_platform",
+  "ragged_paged_attention",
+  "ragged_paged_attention_reference",
+  "unavailable_reason",
+]

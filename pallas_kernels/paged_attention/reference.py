@@ -45,13 +45,20 @@ def _finish(carry, dtype):
   return (acc / jnp.maximum(total, 1e-30)[..., None]).astype(dtype)
 
 
-def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_len, pages, page_seq,
-                           page_start, page_fill, token_seq, positions, blocks, block_pages: int,
-                           window=None):
-  """Softmax attention of ``q`` (``[N, H, hd]``) over layer ``layer`` (an int, possibly traced)
-  of ``k_pool, v_pool`` (``[L, num_pages, page_size, KV, hd]``; pages are gathered straight from
-  the pool, never a layer's slice first); see the module docstring. Scores and softmax in f32.
-  Returns ``[N, H, hd]`` in q's dtype; a token with no key (padding) gets zeros."""
+def _init(rows, kv, g, d):
+  return (
+    jnp.full((rows, kv, g), -jnp.inf, jnp.float32),
+    jnp.zeros((rows, kv, g), jnp.float32),
+    jnp.zeros((rows, kv, g, d), jnp.float32),
+  )
+
+
+def decode_lanes(
+  q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_len, blocks, block_pages: int, window=None
+):
+  """The decode pass alone: ``[R, H, hd]`` for the first ``R = lane_pages.shape[0]`` tokens of
+  ``q`` (``[N, H, hd]``, N >= R), each against its lane's pages; zeros where ``lane_len`` is 0.
+  Only ``blocks[0]`` is read."""
   n, h, d = q_NxHxD.shape
   _, _, ps, kv, _ = k_pool.shape
   g = h // kv
@@ -59,16 +66,9 @@ def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_l
   bp = int(block_pages)
   bk = bp * ps
   window = _BIG if window is None else window
-  q = q_NxHxD.reshape(n, kv, g, d)
+  qd = q_NxHxD[:r].reshape(r, kv, g, d)
   scale = d**-0.5
   offs = jnp.arange(bk, dtype=jnp.int32)
-
-  def init(rows):
-    return (jnp.full((rows, kv, g), -jnp.inf, jnp.float32), jnp.zeros((rows, kv, g), jnp.float32),
-            jnp.zeros((rows, kv, g, d), jnp.float32))
-
-  # decode lanes: one query per lane against its own pages
-  qd = q[:r]
   lane_q = lane_len - 1  # the lane's query position
 
   def lane_block(j, carry):
@@ -80,9 +80,38 @@ def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_l
     valid = (kpos[None] < lane_len[:, None]) & (kpos[None] > lane_q[:, None] - window)
     return _update(carry, s, valid[:, None, None], v, "rkgs,rskd->rkgd")
 
-  dec = _finish(jax.lax.fori_loop(0, blocks[0], lane_block, init(r)), q_NxHxD.dtype)
+  dec = _finish(jax.lax.fori_loop(0, blocks[0], lane_block, _init(r, kv, g, d)), q_NxHxD.dtype)
+  return dec.reshape(r, h, d)
 
-  # packed prefill: every token against the step's prompt pages, same sequence only
+
+def packed_prefill(
+  q_NxHxD,
+  k_pool,
+  v_pool,
+  layer,
+  *,
+  pages,
+  page_seq,
+  page_start,
+  page_fill,
+  token_seq,
+  positions,
+  blocks,
+  block_pages: int,
+  window=None,
+):
+  """The packed-prefill pass alone: ``[N, H, hd]``, every token against the step's prompt pages
+  of its own sequence (``token_seq``) up to its position; zeros for a token with no key. Only
+  ``blocks[1]`` is read."""
+  n, h, d = q_NxHxD.shape
+  _, _, ps, kv, _ = k_pool.shape
+  g = h // kv
+  bp = int(block_pages)
+  bk = bp * ps
+  window = _BIG if window is None else window
+  q = q_NxHxD.reshape(n, kv, g, d)
+  scale = d**-0.5
+
   def packed_block(j, carry):
     sl = lambda a: jax.lax.dynamic_slice_in_dim(a, j * bp, bp)  # noqa: E731
     pg, seq, start, fill = sl(pages), sl(page_seq), sl(page_start), sl(page_fill)
@@ -93,11 +122,73 @@ def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, *, lane_pages, lane_l
     kpos = (start[:, None] + within[None]).reshape(bk)
     kvalid = (within[None] < fill[:, None]).reshape(bk)
     kseq = jnp.repeat(seq, ps)
-    valid = ((token_seq[:, None] == kseq[None]) & kvalid[None] & (kpos[None] <= positions[:, None])
-             & (kpos[None] > positions[:, None] - window))
+    valid = (
+      (token_seq[:, None] == kseq[None])
+      & kvalid[None]
+      & (kpos[None] <= positions[:, None])
+      & (kpos[None] > positions[:, None] - window)
+    )
     return _update(carry, s, valid[:, None, None], v, "nkgs,skd->nkgd")
 
-  pre = _finish(jax.lax.fori_loop(0, blocks[1], packed_block, init(n)), q_NxHxD.dtype)
-  is_lane = (lane_len > 0)[:, None, None, None]
-  out = pre.at[:r].set(jnp.where(is_lane, dec, pre[:r]))
-  return out.reshape(n, h, d)
+  pre = _finish(jax.lax.fori_loop(0, blocks[1], packed_block, _init(n, kv, g, d)), q_NxHxD.dtype)
+  return pre.reshape(n, h, d)
+
+
+def merge(decode_RxHxD, prefill_NxHxD, lane_len):
+  """Each of the first ``R`` tokens takes the decode result if it is a lane (``lane_len > 0``),
+  every other token the packed-prefill result."""
+  r = decode_RxHxD.shape[0]
+  is_lane = (lane_len > 0)[:, None, None]
+  return prefill_NxHxD.at[:r].set(jnp.where(is_lane, decode_RxHxD, prefill_NxHxD[:r]))
+
+
+def ragged_paged_attention(
+  q_NxHxD,
+  k_pool,
+  v_pool,
+  layer,
+  *,
+  lane_pages,
+  lane_len,
+  pages,
+  page_seq,
+  page_start,
+  page_fill,
+  token_seq,
+  positions,
+  blocks,
+  block_pages: int,
+  window=None,
+):
+  """Softmax attention of ``q`` (``[N, H, hd]``) over layer ``layer`` (an int, possibly traced)
+  of ``k_pool, v_pool`` (``[L, num_pages, page_size, KV, hd]``; pages are gathered straight from
+  the pool, never a layer's slice first); see the module docstring. Scores and softmax in f32.
+  Returns ``[N, H, hd]`` in q's dtype; a token with no key (padding) gets zeros. The two passes
+  are `decode_lanes` and `packed_prefill`, put together by `merge`."""
+  dec = decode_lanes(
+    q_NxHxD,
+    k_pool,
+    v_pool,
+    layer,
+    lane_pages=lane_pages,
+    lane_len=lane_len,
+    blocks=blocks,
+    block_pages=block_pages,
+    window=window,
+  )
+  pre = packed_prefill(
+    q_NxHxD,
+    k_pool,
+    v_pool,
+    layer,
+    pages=pages,
+    page_seq=page_seq,
+    page_start=page_start,
+    page_fill=page_fill,
+    token_seq=token_seq,
+    positions=positions,
+    blocks=blocks,
+    block_pages=block_pages,
+    window=window,
+  )
+  return merge(dec, pre, lane_len)

@@ -45,7 +45,9 @@ def usable(m: int, *dtypes) -> bool:
     return False
   if any(jnp.dtype(d) != jnp.float32 for d in dtypes):
     return False
-  return jax.default_backend() == "cpu" and _load() is None
+  from pallas_kernels.platform import target_platform
+
+  return target_platform() == "cpu" and _load() is None
 
 
 def _call(x, w):

@@ -1,0 +1,154 @@
+"""`ragged_paged_attention`: one entry point, dispatch by platform.
+
+Implementations (``implementation=``):
+
+* ``"reference"``: `reference.ragged_paged_attention`, plain jnp, any backend.
+* ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU kernel (`mosaic_gpu.py`,
+  NVIDIA Hopper or newer), the packed-prefill pass through the reference's `packed_prefill`,
+  put together by the reference's `merge`. ``interpret=True`` runs the kernel in Mosaic GPU
+  interpret mode on any backend (tests).
+
+``implementation=None`` picks ``"mosaic_gpu"`` when the target platform
+(`pallas_kernels.platform.target_platform`: the default backend, or the platform set by
+`lowering_platform`) is CUDA, the device (if there is one) is sm_90 or newer and the kernel takes
+the shapes (`mosaic_gpu.shapes_supported`); the reference otherwise.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from ..platform import cuda_compute_capability, lowering_platform, target_platform
+from . import mosaic_gpu, reference
+
+IMPLEMENTATIONS = ("reference", "mosaic_gpu")
+
+
+def _shape_reason(q, k_pool) -> str | None:
+  _, h, d = q.shape
+  _, _, ps, kv, _ = k_pool.shape
+  return mosaic_gpu.shapes_supported(
+    num_heads=h, num_kv_heads=kv, head_dim=d, page_size=ps, dtype=k_pool.dtype, q_dtype=q.dtype
+  )
+
+
+def _platform_reason() -> str | None:
+  platform = target_platform()
+  if platform != "cuda":
+    return (
+      f"the Mosaic GPU kernel needs CUDA, the target platform is {platform!r} (use "
+      "lowering_platform('cuda') to lower for CUDA elsewhere, or interpret=True)"
+    )
+  cc = cuda_compute_capability()
+  if cc is not None and cc < (9, 0):
+    return f"the Mosaic GPU kernel needs sm_90 (Hopper) or newer, this GPU is sm_{cc[0]}{cc[1]}"
+  return None
+
+
+def _kernel_reason(q, k_pool, *, interpret) -> str | None:
+  """None if the Mosaic GPU path can run this call, else why not."""
+  return _shape_reason(q, k_pool) or (None if interpret else _platform_reason())
+
+
+def unavailable_reason(
+  q, k_pool, *, implementation: str = "mosaic_gpu", interpret: bool = False
+) -> str | None:
+  """None if ``implementation`` can take a call with these ``q`` and ``k_pool`` (arrays or
+  ``jax.ShapeDtypeStruct``) on the target platform, else a readable reason."""
+  if implementation == "reference":
+    return None
+  if implementation == "mosaic_gpu":
+    return _kernel_reason(q, k_pool, interpret=interpret)
+  raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
+
+
+def ragged_paged_attention(
+  q_NxHxD: jax.Array,
+  k_pool: jax.Array,
+  v_pool: jax.Array,
+  layer,
+  *,
+  lane_pages,
+  lane_len,
+  pages,
+  page_seq,
+  page_start,
+  page_fill,
+  token_seq,
+  positions,
+  blocks,
+  block_pages: int,
+  window=None,
+  implementation: str | None = None,
+  interpret=False,
+) -> jax.Array:
+  """Attention of one ragged token batch over a paged KV cache: the reference's signature and
+  results (`reference.ragged_paged_attention`), plus
+
+  Args:
+    implementation: ``"reference"``, ``"mosaic_gpu"``, or None for the best on the target
+      platform (see the module docstring). Naming ``"mosaic_gpu"`` for shapes the kernel does
+      not take raises NotImplementedError, for a platform it cannot run on RuntimeError.
+    interpret: run the Mosaic GPU kernel in interpret mode (True or an ``InterpretGPUParams``).
+
+  The kernel bounds each lane by its own ``lane_len`` and does not read ``blocks[0]`` (it
+  covers every key below ``lane_len``, as the reference does when the host sizes ``blocks[0]``
+  from the longest lane).
+  """
+  kw = dict(
+    lane_pages=lane_pages,
+    lane_len=lane_len,
+    pages=pages,
+    page_seq=page_seq,
+    page_start=page_start,
+    page_fill=page_fill,
+    token_seq=token_seq,
+    positions=positions,
+    blocks=blocks,
+    block_pages=block_pages,
+    window=window,
+  )
+  if implementation is None:
+    name = "mosaic_gpu" if _kernel_reason(q_NxHxD, k_pool, interpret=False) is None else "reference"
+  elif implementation in IMPLEMENTATIONS:
+    name = implementation
+  else:
+    raise ValueError(
+      f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS} or None"
+    )
+  if name == "reference":
+    return reference.ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, **kw)
+  if reason := _shape_reason(q_NxHxD, k_pool):
+    raise NotImplementedError(f"ragged_paged_attention 'mosaic_gpu': {reason}")
+  if not interpret and (reason := _platform_reason()):
+    raise RuntimeError(f"ragged_paged_attention 'mosaic_gpu' cannot run: {reason}")
+  r = lane_pages.shape[0]
+  dec = mosaic_gpu.ragged_paged_decode(
+    q_NxHxD[:r],
+    k_pool,
+    v_pool,
+    layer,
+    lane_pages=lane_pages,
+    lane_len=lane_len,
+    window=window,
+    interpret=interpret,
+  )
+  pre = reference.packed_prefill(
+    q_NxHxD,
+    k_pool,
+    v_pool,
+    layer,
+    pages=pages,
+    page_seq=page_seq,
+    page_start=page_start,
+    page_fill=page_fill,
+    token_seq=token_seq,
+    positions=positions,
+    blocks=blocks,
+    block_pages=block_pages,
+    window=window,
+  )
+  return reference.merge(dec, pre, lane_len)
+
+
+__all__ = ["IMPLEMENTATIONS", "lowering_platform", "ragged_paged_attention", "unavailable_reason"]
