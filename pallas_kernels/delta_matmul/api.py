@@ -11,9 +11,15 @@ Implementations (``implementation=``):
 * ``"cpu"``: base GEMM by XLA + a C++ kernel through ``jax.ffi`` (`cpu.py`).
 * ``"pallas_triton"``: Pallas Triton kernels for GPU (`pallas_gpu.py`); ``interpret=True`` runs
   the same kernel bodies on any backend (tests).
+* ``"mosaic_gpu"``: Pallas Mosaic GPU kernels for Hopper (`mosaic_gpu.py`), the GPU default;
+  ``interpret=True`` runs them in the Mosaic GPU interpreter on CPU (tests). The Triton
+  lowering is deprecated in jax 0.11, so ``pallas_triton`` is only a GPU fallback before it.
 
-``implementation=None`` tries the best for ``jax.default_backend()`` and falls through on
-`NotImplementedError` (a shape a kernel cannot take); naming one that cannot run raises.
+``implementation=None`` tries the best for the target platform and falls through on
+`NotImplementedError` (a shape a kernel cannot take); naming one that cannot run raises. The
+target platform is the default backend, or the one `lowering_platform` (re-exported from
+`pallas_kernels.platform`) sets: to lower CUDA programs in a CPU-only process, trace inside
+``with lowering_platform("cuda"):`` and lower with ``lowering_platforms=("cuda",)``.
 """
 
 from __future__ import annotations
@@ -23,17 +29,36 @@ import jax.numpy as jnp
 import numpy as np
 
 from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, packed_rows
+from pallas_kernels.platform import (
+  cuda_compute_capability,
+  lowering_platform,
+  override,
+  target_platform,
+)
 
-from . import cpu, pallas_gpu
-from .config import Config
+from . import cpu, mosaic_gpu, pallas_gpu
+from .config import Config, MosaicConfig
 from .reference import delta_matmul_reference
 
-IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas_triton")
+IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas_triton", "mosaic_gpu")
+# The Pallas Triton lowering is deprecated from jax 0.11: only a fallback where it still lowers.
+_TRITON_IN_PREFERENCE = jax.__version_info__ < (0, 11)
+_GPU_PREFERENCE = ("mosaic_gpu", *(("pallas_triton",) if _TRITON_IN_PREFERENCE else ()), "xla")
 _PREFERENCE = {
   "cpu": ("cpu", "xla"),
-  "gpu": ("pallas_triton", "xla"),
-  "cuda": ("pallas_triton", "xla"),
+  "gpu": _GPU_PREFERENCE,
+  "cuda": _GPU_PREFERENCE,
+  "rocm": (*(("pallas_triton",) if _TRITON_IN_PREFERENCE else ()), "xla"),
 }
+_GPU_PLATFORMS = ("gpu", "cuda")
+__all__ = [
+  "IMPLEMENTATIONS",
+  "delta_matmul",
+  "lowering_platform",
+  "target_platform",
+  "unavailable_reason",
+]
+
 _XLA_LUT_MAX_ROWS = 1  # measured on a 2-core Xeon: the gather wins only at batch 1
 
 
@@ -94,22 +119,31 @@ def _check(x, w_base, bits, scale, slot_ids, g: int):
 
 
 def _run(
-  name: str, x, w_base, bits, scale, slot_ids, *, g: int, interpret: bool, config: Config | None
+  name: str,
+  x,
+  w_base,
+  bits,
+  scale,
+  slot_ids,
+  *,
+  g: int,
+  interpret: bool,
+  config: Config | MosaicConfig | None,
 ):
-  if name in ("cpu", "pallas_triton"):  # kernels XLA cannot differentiate through
+  if name in ("cpu", "pallas_triton", "mosaic_gpu"):  # kernels XLA cannot differentiate through
     return _with_reference_vjp(name, g, interpret, config)(x, w_base, scale, bits, slot_ids)
-  return _run_impl(name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret,
-                   config=config)
+  return _run_impl(name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret, config=config)
 
 
-def _with_reference_vjp(name: str, g: int, interpret: bool, config: Config | None):
+def _with_reference_vjp(name: str, g: int, interpret: bool, config: Config | MosaicConfig | None):
   """The kernel forward, with gradients (w.r.t. x, w_base and scale) of the reference formula,
   so scale distillation and fine-tuning can run through any implementation."""
 
   @jax.custom_vjp
   def f(x, w_base, scale, bits, slot_ids):
-    return _run_impl(name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret,
-                     config=config)
+    return _run_impl(
+      name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret, config=config
+    )
 
   def fwd(x, w_base, scale, bits, slot_ids):
     return f(x, w_base, scale, bits, slot_ids), (x, w_base, scale, bits, slot_ids)
@@ -126,7 +160,16 @@ def _with_reference_vjp(name: str, g: int, interpret: bool, config: Config | Non
 
 
 def _run_impl(
-  name: str, x, w_base, bits, scale, slot_ids, *, g: int, interpret: bool, config: Config | None
+  name: str,
+  x,
+  w_base,
+  bits,
+  scale,
+  slot_ids,
+  *,
+  g: int,
+  interpret: bool,
+  config: Config | MosaicConfig | None,
 ):
   if name == "reference":
     return delta_matmul_reference(x, w_base, bits, scale, slot_ids, group_k=g)
@@ -135,6 +178,7 @@ def _run_impl(
   if name == "cpu":
     return cpu.delta_matmul_cpu(x, w_base, bits, scale, slot_ids, group_k=g)
   if name == "pallas_triton":
+    config = config if isinstance(config, Config) else None
     if slot_ids is None:
       return pallas_gpu.delta_matmul_single(
         x, w_base, bits, scale, group_k=g, config=config, interpret=interpret
@@ -142,12 +186,32 @@ def _run_impl(
     return pallas_gpu.delta_matmul_bank(
       x, w_base, bits, scale, slot_ids, group_k=g, config=config, interpret=interpret
     )
+  if name == "mosaic_gpu":
+    config = config if isinstance(config, MosaicConfig) else None
+    if slot_ids is None:
+      return mosaic_gpu.delta_matmul_single(
+        x, w_base, bits, scale, group_k=g, config=config, interpret=interpret
+      )
+    return mosaic_gpu.delta_matmul_bank(
+      x, w_base, bits, scale, slot_ids, group_k=g, config=config, interpret=interpret
+    )
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 
+def _hopper_reason() -> str | None:
+  """Why this process's GPU cannot run sm_90 wgmma kernels; None when it can, or when there is
+  no GPU to ask (lowering for CUDA from a CPU process)."""
+  cc = cuda_compute_capability()
+  if cc is not None and cc[0] < 9:
+    return f"the Mosaic GPU kernels use Hopper wgmma (sm_90+), this GPU is sm_{cc[0]}{cc[1]}"
+  return None
+
+
 def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
-  """None if implementation ``name`` can run on this process's default backend, else why."""
-  backend = jax.default_backend()
+  """None if implementation ``name`` can run on the target platform (this process's default
+  backend, or the one set by `lowering_platform`), else why."""
+  platform = target_platform()
+  lowering_note = "" if override() is None else " (set by lowering_platform)"
   if name in ("reference", "xla"):
     return None
   if name == "cpu":
@@ -157,12 +221,23 @@ def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
       return None
     if pallas_gpu.pltriton is None:
       return "this jax has no Pallas Triton lowering (jax.experimental.pallas.triton)"
-    if backend not in ("gpu", "cuda"):
+    if platform not in (*_GPU_PLATFORMS, "rocm"):
       return (
-        f"the Triton kernels need a GPU backend, the default backend is {backend!r} "
-        "(pass interpret=True to run the kernel bodies on CPU)"
+        f"the Triton kernels need a GPU backend, the target platform is {platform!r}"
+        f"{lowering_note} (pass interpret=True to run the kernel bodies on CPU)"
       )
     return None
+  if name == "mosaic_gpu":
+    reason = mosaic_gpu.unavailable_reason(interpret=interpret)
+    if reason or interpret:
+      return reason
+    if platform not in _GPU_PLATFORMS:
+      return (
+        f"the Mosaic GPU kernels need a CUDA GPU backend (Hopper), the target platform is "
+        f"{platform!r}{lowering_note} (pass interpret=True to run the kernel bodies on CPU, or "
+        "trace inside lowering_platform('cuda') to lower them for a GPU from this process)"
+      )
+    return _hopper_reason()
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 
@@ -176,7 +251,7 @@ def delta_matmul(
   group_k: int = DEFAULT_GROUP_K,
   implementation: str | None = None,
   interpret: bool = False,
-  config: Config | None = None,
+  config: Config | MosaicConfig | None = None,
 ) -> jax.Array:
   """``x·W_base + α ⊙ (x·S)`` for one variant, or per row's slot of a bank.
 
@@ -190,7 +265,9 @@ def delta_matmul(
     group_k: the packing ``group_k`` (the group actually used is ``group_k_for(K, group_k)``).
     implementation: one of `IMPLEMENTATIONS`, or None for the best available.
     interpret: run Pallas kernels in interpret mode (tests, CPU).
-    config: block sizes for the Pallas kernels (default: `Config.heuristic`).
+    config: block sizes for the Pallas kernels: a `Config` for ``pallas_triton``, a
+      `MosaicConfig` for ``mosaic_gpu`` (the other kernel then uses its own heuristic; default:
+      `Config.heuristic` / `MosaicConfig.heuristic`).
 
   Returns:
     ``[M, N]`` in ``x.dtype``; accumulation in f32.
@@ -204,7 +281,7 @@ def delta_matmul(
       raise RuntimeError(f"delta_matmul implementation {implementation!r} cannot run: {reason}")
     return _run(implementation, *args, g=g, interpret=interpret, config=config)
   reasons = []
-  for name in _PREFERENCE.get(jax.default_backend(), ("xla",)):
+  for name in _PREFERENCE.get(target_platform(), ("xla",)):
     if unavailable_reason(name, interpret=interpret):
       reasons.append(f"{name}: {unavailable_reason(name, interpret=interpret)}")
       continue

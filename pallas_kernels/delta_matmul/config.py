@@ -118,7 +118,7 @@ class MosaicConfig:
     CTAs stream the weights; larger M uses 128-row tiles (64 for f32). Not tuned on hardware."""
     n_groups = -(-k // group_k)
     block_m = 64 if m <= 64 or itemsize >= 4 else 128
-    block_n = 64 if n >= 1024 or block_m == 128 else 32
+    block_n = 64 if (n >= 1024 or block_m == 128) and itemsize < 4 else 32
     per_step = max(1, 128 // group_k) if itemsize < 4 else 1
     groups_per_step = max(d for d in _divisors(n_groups) if d <= per_step)
     steps = n_groups // groups_per_step
