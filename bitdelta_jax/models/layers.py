@@ -223,18 +223,28 @@ class DeltaDense(nnx.Module):
     kernel = self.kernel[...]
     b, t, k = x_BxTxK.shape
     if self.has_bank and slot_ids is not None:
-      ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
-      y = delta_matmul_fn(self.implementation)(
-        x_BxTxK.reshape(b * t, k),
-        kernel,
-        self.delta_bits[...],
-        self.delta_scale[...],
-        ids,
-        group_k=self.group_k,
-      ).reshape(b, t, self.out_features)
-      if self.lora_a is not None:
-        lora = _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...], slot_ids)
-        y = (y.astype(jnp.float32) + lora).astype(y.dtype)
+
+      def with_deltas(x_BxTxK):
+        ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
+        y = delta_matmul_fn(self.implementation)(
+          x_BxTxK.reshape(b * t, k),
+          kernel,
+          self.delta_bits[...],
+          self.delta_scale[...],
+          ids,
+          group_k=self.group_k,
+        ).reshape(b, t, self.out_features)
+        if self.lora_a is not None:
+          lora = _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...], slot_ids)
+          y = (y.astype(jnp.float32) + lora).astype(y.dtype)
+        return y
+
+      def base_only(x_BxTxK):
+        return _base_matmul(x_BxTxK, kernel, self.implementation).astype(x_BxTxK.dtype)
+
+      # A batch of base rows only skips the delta kernels at run time: one program serves
+      # batches with and without variants (the engine compiles no separate base-only form).
+      y = jax.lax.cond(jnp.any(slot_ids > 0), with_deltas, base_only, x_BxTxK)
     else:
       y = _base_matmul(x_BxTxK, kernel, self.implementation)
     if self.bias is not None:

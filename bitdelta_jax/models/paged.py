@@ -24,8 +24,8 @@ first, then prompt chunks:
 The batch is padded to a **token bucket** (powers of two up to ``max_rows + prefill_chunk``,
 and that budget itself; `StepShapes`), and nothing else in its shapes varies: the page tables
 have a fixed width and the attention loops run as far as the live lengths
-(`pallas_kernels.paged_attention`). So the programs are one per bucket, in a base-only form (no
-variant token: the delta kernels are skipped) and a variant form, and `warmup` compiles them
+(`pallas_kernels.paged_attention`). So the programs are one per bucket (a batch without a
+variant's token skips the delta kernels inside the same program), and `warmup` compiles them
 all ahead of time; prompt log probabilities are a branch of the same programs.
 
 Pages are allocated as tokens arrive (`bitdelta_jax.models.kv_pages.PagePool`). Full pages are
@@ -125,6 +125,11 @@ class PagedGenerator:
     self._order = itertools.count()
     self.shapes_run: set[tuple] = set()  # (tokens bucket, base_only) of every step run
     self.steps = 0  # scheduler iterations run (the clock of `Seq.progress_step`)
+
+  @property
+  def base_only(self) -> bool:
+    """The model has no variant slots: its step is the base's alone."""
+    return len(self.slot_epoch) == 1
 
   # -- variants ------------------------------------------------------------------------------
   @property
@@ -438,8 +443,9 @@ class PagedGenerator:
                                                   s.params.top_k)
       b.want_logprobs[j] = s.params.logprobs is not None
     batch = dataclasses.replace(b, controls=self._controls(outputs, b.out_index.shape[0]))
-    base_only = not any(s.slot for s, _ in decode + prefill)
-    return batch, outputs, scored, base_only
+    # One form of the step serves every batch: the delta kernels are skipped at run time when
+    # no token is a variant's (`DeltaDense`); a model without variant slots has only the base's.
+    return batch, outputs, scored, self.base_only
 
   def _controls(self, outputs: Sequence[Seq], nout: int) -> LogitControls | None:
     """The outputs' logit controls: None (the runner's cached neutral arrays) when no output
@@ -464,11 +470,9 @@ class PagedGenerator:
 
   # -- warm-up --------------------------------------------------------------------------------
   def warmup(self, *, threads: int = 2, progress=None) -> float:
-    """Compiles every step program the scheduler can ask for (each token bucket, base-only
-    and, with variant slots, variant form) ahead of time; returns the seconds it took. After
-    it, the runner counts (or, with ``runner.guard``, refuses) any step it did not compile."""
-    forms = (True, False) if len(self.slot_epoch) > 1 else (True,)
-    return self.runner.compile_all(forms, threads=threads, progress=progress)
+    """Compiles every step program the scheduler can ask for (one per token bucket) ahead of
+    time; returns the seconds it took. After it, the runner counts (or, with ``runner.guard``, refuses) any step it did not compile."""
+    return self.runner.compile_all((self.base_only,), threads=threads, progress=progress)
 
   # -- the whole loop -------------------------------------------------------------------------
   def generate(

@@ -1,7 +1,7 @@
 """The paged engine's device side: the KV page pools, the model state and the jitted step.
 
     runner = PagedRunner(model, shapes=StepShapes(...), num_pages=1025, mesh=mesh)
-    runner.compile_all()                          # every token bucket, both forms, ahead of time
+    runner.compile_all((False,))                  # every token bucket, ahead of time
     runner.guard = True                           # from now on a step that would compile raises
     out = runner.run(batch, base_only=False)     # a PagedBatch of host arrays -> StepOutput
     tokens = runner.fetch(out.tokens)             # host values (on any number of processes)
@@ -15,7 +15,8 @@ the same computations in the same order (`serving.multihost`). A batch whose ``c
 None uses cached neutral control arrays (no mask, bias or penalty): plain batches then send and
 transfer nothing for them.
 
-Programs: one per token bucket of `StepShapes` and form (base-only or with variants).
+Programs: one per token bucket of `StepShapes` (``base_only``: the form of a model without
+variant slots; with slots, batches of base rows skip the delta kernels inside the same program).
 `compile_all` lowers and compiles them all on a thread pool before serving; a step of a bucket
 it compiled runs that executable. The decoder layers run unrolled on CPU and as one
 ``lax.scan`` over stacked layer states elsewhere (`scan_layers_default` says why).

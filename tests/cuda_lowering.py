@@ -1,0 +1,131 @@
+"""The one engine's whole serving step lowered for CUDA on a machine without a GPU.
+
+`lower_step` builds a `PagedRunner` over a randomly initialised model of a given config (the
+weights do not matter to lowering), selects the GPU kernels with
+`pallas_kernels.platform.lowering_platform("cuda")`, and lowers one step program with
+``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``. Lowering runs every kernel's
+own lowering (Mosaic GPU's MLIR, shapes, layouts, unsupported primitives, shardings): what is
+left for a GPU is ptxas, shared-memory limits and numbers.
+
+`unpacked_bits` finds delta bits unpacked outside a kernel: an elementwise op (shift, and,
+convert, compare, select) of the module whose operand is an 8-bit tensor at least as large as
+one packed weight matrix. A dense ``W_eff`` of a variant cannot be formed from the bits
+without such ops, and the bits are the only 8-bit tensors of that size in a step.
+
+Run as a script (``python tests/cuda_lowering.py MESH CONFIG``, with
+``XLA_FLAGS=--xla_force_host_platform_device_count=8``) it lowers over a device mesh and prints
+one JSON line per program (tests/test_cuda_lowering.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+
+# SmolLM2-135M-Instruct's config.json (the real model), and a Llama-8B-like attention shape
+# (32 heads over 8 KV heads of 128) at small width, whose KV heads shard over 8 devices.
+SMOLLM2 = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+               rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True,
+               max_position_embeddings=8192, hidden_act="silu")
+LLAMA_HEADS = dict(model_type="llama", hidden_size=1024, intermediate_size=2048,
+                   num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=8,
+                   head_dim=128, vocab_size=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
+                   tie_word_embeddings=False, max_position_embeddings=8192, hidden_act="silu")
+CONFIGS = {"smollm2": SMOLLM2, "llama_heads": LLAMA_HEADS}
+
+_ELEMENTWISE = ("shift_right_logical", "shift_left", "and", "convert", "compare", "select")
+_OP = re.compile(r"stablehlo\.(" + "|".join(_ELEMENTWISE) + r")\b(.*)$")
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)(ui8|i8)>")
+
+
+def unpacked_bits(text: str, min_elements: int) -> list[str]:
+  """Lines of the module that compute on an 8-bit tensor of ``>= min_elements`` elements."""
+  hits = []
+  for line in text.splitlines():
+    m = _OP.search(line)
+    if not m:
+      continue
+    for dims, _ in _TENSOR.findall(m.group(2)):
+      size = 1
+      for d in dims.rstrip("x").split("x"):
+        size *= int(d)
+      if size >= min_elements:
+        hits.append(line.strip()[:200])
+        break
+  return hits
+
+
+def custom_calls(text: str) -> dict[str, int]:
+  """call target -> count, over ``stablehlo.custom_call @target`` ops."""
+  out: dict[str, int] = {}
+  for name in re.findall(r"stablehlo\.custom_call @([\w.]+)", text):
+    out[name] = out.get(name, 0) + 1
+  return out
+
+
+def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots: int = 3):
+  from flax import nnx
+
+  from bitdelta_jax.models.config import ModelConfig
+  from bitdelta_jax.models.llama import LlamaForCausalLM
+  from bitdelta_jax.models.paged_batch import StepShapes
+  from bitdelta_jax.models.paged_runner import PagedRunner
+
+  cfg = ModelConfig.from_hf_dict(CONFIGS[config], num_slots=num_slots)
+  if delta_implementation is not None:
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
+  model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  shapes = StepShapes(max_rows=32, max_step_tokens=32 + 512, max_pages_per_seq=128,
+                      page_size=16, block_pages=8, vocab_size=cfg.vocab_size, max_seq_len=2048)
+  # the layers as one scan, as the engine runs them on a GPU (`scan_layers_default`)
+  return PagedRunner(model, shapes=shapes, num_pages=256, mesh=mesh, scan_layers=True), cfg
+
+
+def lower_step(runner, n_tokens: int, base_only: bool, platform: str = "cuda") -> str:
+  """The step program of ``n_tokens`` tokens, lowered for ``platform``; its text."""
+  from pallas_kernels.platform import lowering_platform
+
+  batch = runner._inputs(runner.shapes.empty(n_tokens))
+  args = (runner.state, runner._layer_states(), runner.k_pool, runner.v_pool, batch, base_only)
+  with lowering_platform(platform):
+    lowered = runner._run.trace(*args).lower(lowering_platforms=(platform,))
+  return lowered.as_text()
+
+
+def packed_matrix_elements(cfg) -> int:
+  """Bytes of the smallest packed weight matrix of the model (K/8 × N)."""
+  d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  shapes = [(d, cfg.num_heads * hd), (d, cfg.num_kv_heads * hd), (cfg.num_heads * hd, d),
+            (d, f), (f, d)]
+  return min(k * n // 8 for k, n in shapes)
+
+
+def report(runner, cfg, programs, per_device_elements: int | None = None) -> list[dict]:
+  rows = []
+  for n, base_only in programs:
+    text = lower_step(runner, n, base_only)
+    rows.append({"tokens": n, "base_only": base_only, "custom_calls": custom_calls(text),
+                 "unpacked": unpacked_bits(text, per_device_elements
+                                           or packed_matrix_elements(cfg)),
+                 "kernels": sorted(set(re.findall(r"bitdelta_\w+", text)))})
+  return rows
+
+
+if __name__ == "__main__":
+  mesh_spec, config = sys.argv[1], sys.argv[2]
+  from bitdelta_jax.sharding import make_mesh
+
+  mesh = make_mesh(mesh_spec)
+  runner, cfg = build_runner(config, mesh=mesh)
+  model_axis = dict(mesh.shape).get("model", 1)
+  # a packed matrix split over `model` devices: each device holds 1/model of it
+  rows = report(runner, cfg, [(32, False), (544, False)],
+                per_device_elements=packed_matrix_elements(cfg) // model_axis)
+  print(json.dumps({"devices": jax.device_count(), "mesh": dict(mesh.shape), "rows": rows}))
