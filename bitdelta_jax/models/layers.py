@@ -143,7 +143,11 @@ def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot
     from pallas_kernels.delta_matmul import cpu
 
     if cpu.unavailable_reason() is None:  # the target platform is the CPU
-      out = _packed_products_fused(base, h, bits_SxRxV, scale_SxV, slots, group_k)
+      # a batch without such a row never enters the kernel (it would still walk the vocabulary)
+      out = jax.lax.cond(
+        jnp.any(slots >= 0),
+        lambda y: _packed_products_fused(y, h, bits_SxRxV, scale_SxV, slots, group_k),
+        lambda y: y, base)
       return out.reshape(b, t, v)
   return _packed_products_reference(base, h, bits_SxRxV, scale_SxV, slots, group_k
                                     ).reshape(b, t, v)
