@@ -16,9 +16,8 @@ import pathlib
 import subprocess
 import sys
 
-import pytest
-
 import cuda_lowering as cl
+import pytest
 
 MOSAIC = "mosaic_gpu_v2"  # the Mosaic GPU custom call (jax 0.10-0.11)
 
