@@ -143,7 +143,7 @@ class LeaderRunner:
     return self._call("run", fields, lambda: jax.block_until_ready(
       self.runner.run(batch, base_only)), kind)
 
-  def compile_all(self, forms=(True, False), threads: int = 2, progress=None) -> float:
+  def compile_all(self, forms=(False,), threads: int = 2, progress=None) -> float:
     """Every process compiles the same programs ahead of time (no collective runs)."""
     fields = {"forms": np.asarray(forms, bool), "threads": np.int32(threads)}
     return self._call("compile", fields, lambda: self.runner.compile_all(

@@ -12,7 +12,7 @@ the process dies with a segmentation fault inside XLA (what CI saw). ``BITDELTA_
 appends each module's mapping count before and after the cleanup to ``path``.
 
 ``slow`` marks what a developer can leave out for a quick run (``pytest -m "not slow"``, about
-3 minutes on a 2-core machine against about 25 for everything): every test of the modules that
+3 minutes on a 2-core machine against about 28 for everything): every test of the modules that
 start servers, subprocesses or the real model, and the tests that took 4 s or more in a full
 run (``--durations``). The lists are here, in one place, and CI runs everything.
 """
@@ -25,7 +25,7 @@ import pytest
 os.environ.setdefault("BITDELTA_COMPILE_CACHE", "0")
 
 SLOW_MODULES = frozenset({
-  "test_demo_real", "test_paged_mesh", "test_real_base", "test_serving_fuzz", "test_serving_http",
+  "test_cuda_lowering", "test_demo_real", "test_paged_mesh", "test_real_base", "test_serving_fuzz", "test_serving_http",
   "test_serving_liveness", "test_serving_lora", "test_serving_multihost",
   "test_serving_openai_api", "test_serving_openai_lm_eval", "test_serving_variant_vocab",
   "test_sharding", "test_sharding_distributed", "test_zoo", "test_zoo_real_family",

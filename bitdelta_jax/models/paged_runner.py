@@ -189,10 +189,10 @@ class PagedRunner:
     return self._run.lower(self.state, self._layer_states(), self.k_pool, self.v_pool,
                            self._inputs(batch), bool(base_only))
 
-  def compile_all(self, forms: Sequence[bool] = (True, False), threads: int = 2,
+  def compile_all(self, forms: Sequence[bool] = (False,), threads: int = 2,
                   progress=None) -> float:
-    """Compiles the step for every token bucket and form (base-only and with variants) ahead
-    of time, ``threads`` at a time, and the page copy; returns the seconds it took. Every later
+    """Compiles the step for every token bucket in each form of ``forms`` (``base_only``
+    values; the engine asks for one) ahead of time, ``threads`` at a time, and the page copy; returns the seconds it took. Every later
     step then runs a program compiled here (with `guard` on, any other raises)."""
     t0 = time.perf_counter()
     todo = [(n, f) for f in forms for n in self.shapes.buckets()
