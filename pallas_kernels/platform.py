@@ -80,4 +80,14 @@ def cuda_compute_capability() -> tuple[int, int] | None:
   return int(major), int(minor or 0)
 
 
-__all__ = ["cuda_compute_capability", "lowering_platform", "override", "target_platform"]
+def hopper_reason() -> str | None:
+  """Why this process's GPU cannot run sm_90 (Hopper) kernels such as wgmma and TMA; None when
+  it can, or when there is no GPU to ask (lowering for CUDA from a CPU process)."""
+  cc = cuda_compute_capability()
+  if cc is not None and cc < (9, 0):
+    return f"the Mosaic GPU kernels need sm_90 (Hopper) or newer, this GPU is sm_{cc[0]}{cc[1]}"
+  return None
+
+
+__all__ = ["cuda_compute_capability", "hopper_reason", "lowering_platform", "override",
+           "target_platform"]

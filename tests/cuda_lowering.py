@@ -2,8 +2,8 @@
 
 `lower_step` builds a `PagedRunner` over a randomly initialised model of a given config (the
 weights do not matter to lowering), selects the GPU kernels with
-`pallas_kernels.platform.lowering_platform("cuda")`, and lowers one step program with
-``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``. Lowering runs every kernel's
+`pallas_kernels.platform.lowering_platform("cuda")`, and lowers one step program for CUDA
+(`PagedRunner.lower(..., platform="cuda")`). Lowering runs every kernel's
 own lowering (Mosaic GPU's MLIR, shapes, layouts, unsupported primitives, shardings): what is
 left for a GPU is ptxas, shared-memory limits and numbers.
 
@@ -90,13 +90,7 @@ def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots
 
 def lower_step(runner, n_tokens: int, base_only: bool, platform: str = "cuda") -> str:
   """The step program of ``n_tokens`` tokens, lowered for ``platform``; its text."""
-  from pallas_kernels.platform import lowering_platform
-
-  batch = runner._inputs(runner.shapes.empty(n_tokens))
-  args = (runner.state, runner._layer_states(), runner.k_pool, runner.v_pool, batch, base_only)
-  with lowering_platform(platform):
-    lowered = runner._run.trace(*args).lower(lowering_platforms=(platform,))
-  return lowered.as_text()
+  return runner.lower(runner.shapes.empty(n_tokens), base_only, platform=platform).as_text()
 
 
 def packed_matrix_elements(cfg) -> int:

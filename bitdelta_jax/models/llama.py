@@ -253,13 +253,13 @@ class LlamaForCausalLM(nnx.Module):
     x = self.model.embed_tokens(batch.tokens[:, None].astype(jnp.int32), slot_ids)
     cos, sin = rope_cos_sin(cfg.rope.inv_freq(cfg.head_dim), batch.positions[:, None])
     wp, wo = batch.write_page, batch.write_offset
-    kw = dict(lane_pages=batch.lane_pages, lane_len=batch.lane_len, pages=batch.pages,
-              page_seq=batch.page_seq, page_start=batch.page_start, page_fill=batch.page_fill,
-              token_seq=batch.token_seq, positions=batch.positions, blocks=batch.blocks,
-              block_pages=bp)
+    tables = dict(lane_pages=batch.lane_pages, lane_len=batch.lane_len, pages=batch.pages,
+                  page_seq=batch.page_seq, page_start=batch.page_start,
+                  page_fill=batch.page_fill, token_seq=batch.token_seq,
+                  positions=batch.positions, blocks=batch.blocks)
 
-    def attention(q, k_pool, v_pool, i, window, tables=kw):
-      return ragged_paged_attention(q, k_pool, v_pool, i, window=window, **tables)
+    def attention(q, k_pool, v_pool, i, window, tables):
+      return ragged_paged_attention(q, k_pool, v_pool, i, window=window, block_pages=bp, **tables)
 
     heads = None if kv_sharding is None else kv_sharding.spec[1]
     if heads is not None:
@@ -268,17 +268,15 @@ class LlamaForCausalLM(nnx.Module):
       # pages instead of all-gathered pools. Page tables and the batch are replicated.
       from jax.sharding import PartitionSpec as P
 
-      per_device = attention
       q_spec, pool_spec = P(None, heads, None), P(None, None, None, heads, None)
-      tables = {k: v for k, v in kw.items() if k != "block_pages"}
-
-      def attention(q, k_pool, v_pool, i, window):
-        window = jnp.asarray(_NO_WINDOW if window is None else window, jnp.int32)
-        body = lambda q, kp, vp, i, w, t: per_device(q, kp, vp, i, w, {**t, "block_pages": bp})
-        return jax.shard_map(body, mesh=kv_sharding.mesh,
-                             in_specs=(q_spec, pool_spec, pool_spec, P(), P(), P()),
-                             out_specs=q_spec, check_vma=False)(
-          q, k_pool, v_pool, jnp.asarray(i, jnp.int32), window, tables)
+      attention = jax.shard_map(attention, mesh=kv_sharding.mesh,
+                                in_specs=(q_spec, pool_spec, pool_spec, P(), P(), P()),
+                                out_specs=q_spec, check_vma=False)
+      # the layer index and window go in as (replicated) arrays; None means no window
+      scalars = lambda i, w: (jnp.asarray(i, jnp.int32),  # noqa: E731
+                              jnp.asarray(_NO_WINDOW if w is None else w, jnp.int32))
+    else:
+      scalars = lambda i, w: (i, w)  # noqa: E731
 
     def run_layer(layer, x, k_pool, v_pool, i, window):
       pools = {"k": k_pool, "v": v_pool}
@@ -288,7 +286,7 @@ class LlamaForCausalLM(nnx.Module):
           if kv_sharding is not None:
             new = jax.lax.with_sharding_constraint(new, kv_sharding)
           pools[name] = pools[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
-        o = attention(q[:, 0], pools["k"], pools["v"], i, window)
+        o = attention(q[:, 0], pools["k"], pools["v"], *scalars(i, window), tables)
         return o[:, None]
 
       x = layer(x, cos, sin, slot_ids, attend)

@@ -471,7 +471,8 @@ class PagedGenerator:
   # -- warm-up --------------------------------------------------------------------------------
   def warmup(self, *, threads: int = 2, progress=None) -> float:
     """Compiles every step program the scheduler can ask for (one per token bucket) ahead of
-    time; returns the seconds it took. After it, the runner counts (or, with ``runner.guard``, refuses) any step it did not compile."""
+    time; returns the seconds it took. After it, the runner counts (or, with
+    ``runner.guard``, refuses) any step it did not compile."""
     return self.runner.compile_all((self.base_only,), threads=threads, progress=progress)
 
   # -- the whole loop -------------------------------------------------------------------------

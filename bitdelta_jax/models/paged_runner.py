@@ -184,10 +184,18 @@ class PagedRunner:
     self.k_pool, self.v_pool, out = out
     return out
 
-  def lower(self, batch: PagedBatch, base_only: bool):
-    """The step over ``batch``'s shapes, lowered (``.compile()`` it; nothing runs)."""
-    return self._run.lower(self.state, self._layer_states(), self.k_pool, self.v_pool,
-                           self._inputs(batch), bool(base_only))
+  def lower(self, batch: PagedBatch, base_only: bool, platform: str | None = None):
+    """The step over ``batch``'s shapes, lowered (``.compile()`` it; nothing runs). With
+    ``platform`` (e.g. "cuda"), lowered for that platform with its kernels selected
+    (`pallas_kernels.platform.lowering_platform`), also from a process without it."""
+    args = (self.state, self._layer_states(), self.k_pool, self.v_pool, self._inputs(batch),
+            bool(base_only))
+    if platform is None:
+      return self._run.lower(*args)
+    from pallas_kernels.platform import lowering_platform
+
+    with lowering_platform(platform):
+      return self._run.trace(*args).lower(lowering_platforms=(platform,))
 
   def compile_all(self, forms: Sequence[bool] = (False,), threads: int = 2,
                   progress=None) -> float:

@@ -30,7 +30,7 @@ import numpy as np
 
 from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, packed_rows
 from pallas_kernels.platform import (
-  cuda_compute_capability,
+  hopper_reason,
   lowering_platform,
   override,
   target_platform,
@@ -198,15 +198,6 @@ def _run_impl(
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 
-def _hopper_reason() -> str | None:
-  """Why this process's GPU cannot run sm_90 wgmma kernels; None when it can, or when there is
-  no GPU to ask (lowering for CUDA from a CPU process)."""
-  cc = cuda_compute_capability()
-  if cc is not None and cc[0] < 9:
-    return f"the Mosaic GPU kernels use Hopper wgmma (sm_90+), this GPU is sm_{cc[0]}{cc[1]}"
-  return None
-
-
 def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
   """None if implementation ``name`` can run on the target platform (this process's default
   backend, or the one set by `lowering_platform`), else why."""
@@ -237,7 +228,7 @@ def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
         f"{platform!r}{lowering_note} (pass interpret=True to run the kernel bodies on CPU, or "
         "trace inside lowering_platform('cuda') to lower them for a GPU from this process)"
       )
-    return _hopper_reason()
+    return hopper_reason()
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 

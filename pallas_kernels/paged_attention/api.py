@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax
 
-from ..platform import cuda_compute_capability, lowering_platform, target_platform
+from ..platform import hopper_reason, lowering_platform, target_platform
 from . import mosaic_gpu, reference
 
 IMPLEMENTATIONS = ("reference", "mosaic_gpu")
@@ -39,10 +39,7 @@ def _platform_reason() -> str | None:
       f"the Mosaic GPU kernel needs CUDA, the target platform is {platform!r} (use "
       "lowering_platform('cuda') to lower for CUDA elsewhere, or interpret=True)"
     )
-  cc = cuda_compute_capability()
-  if cc is not None and cc < (9, 0):
-    return f"the Mosaic GPU kernel needs sm_90 (Hopper) or newer, this GPU is sm_{cc[0]}{cc[1]}"
-  return None
+  return hopper_reason()
 
 
 def _kernel_reason(q, k_pool, *, interpret) -> str | None:
