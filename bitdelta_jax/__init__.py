@@ -53,6 +53,7 @@ _EXPORTS = {
   # scale distillation
   "DistillConfig": "bitdelta_jax.distill",
   "distill": "bitdelta_jax.distill",
+  "Distilled": "bitdelta_jax.distill",
   "distill_checkpoint": "bitdelta_jax.distill",
   "slot_scales": "bitdelta_jax.distill",
   # merging (parameter trees) and the K-Merge LoRA pool

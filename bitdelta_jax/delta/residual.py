@@ -225,6 +225,33 @@ def _components(u, s, vt, idx, widths, float_dtype) -> CodedLora:
                    b_step=b_step, float_dtype=float_dtype)
 
 
+def recode(entry: LoraEntry, a: np.ndarray, b: np.ndarray) -> CodedLora:
+  """New factor values ``a [K, r]``, ``b [r, N]`` stored like ``entry``: each rank component
+  at its own width (16: rounded to ``float_dtype``; 8/4/2: coded afresh by `code_rows`, a new
+  step per vector; 32: f32). The bytes are the same; the values are what the store will hold
+  (e.g. distilled factors, trained in f32, then re-quantised)."""
+  e = entry if isinstance(entry, CodedLora) else CodedLora(
+    a=entry.a, b=entry.b, widths=(32,) * int(np.shape(entry.a)[1]))
+  a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  if a.shape != e.a.shape or b.shape != e.b.shape:
+    raise ValueError(f"new factors {a.shape} / {b.shape} do not match the stored "
+                     f"{e.a.shape} / {e.b.shape}")
+  r = len(e.widths)
+  out_a, out_b = np.zeros_like(a), np.zeros_like(b)
+  a_step, b_step = np.zeros(r, np.float32), np.zeros(r, np.float32)
+  widths = np.asarray(e.widths, np.int64)
+  for w in np.unique(widths):
+    j = np.nonzero(widths == w)[0]
+    if w == 32:
+      out_a[:, j], out_b[j] = a[:, j], b[j]
+      continue
+    da, sa = code_rows(a[:, j].T, int(w), e.float_dtype)
+    db, sb = code_rows(b[j], int(w), e.float_dtype)
+    out_a[:, j], a_step[j], out_b[j], b_step[j] = da.T, sa, db, sb
+  return CodedLora(a=out_a, b=out_b, widths=tuple(e.widths), a_step=a_step, b_step=b_step,
+                   float_dtype=e.float_dtype)
+
+
 def low_rank(t: np.ndarray, rank: int, width: int = 16, float_dtype: str = "bfloat16"
              ) -> CodedLora:
   """Truncated SVD of ``t`` at ``rank``, ``√σ`` folded into both factors, coded at ``width``."""

@@ -275,20 +275,48 @@ def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
 
 def update_scales(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
                   scales_meta: Mapping[str, Any]) -> dict:
-  """Replaces α of packed tensors in a delta directory, atomically.
+  """Replaces α of packed (or 1-bit + low-rank) tensors in a delta directory, atomically
+  (`update_entries` without factors)."""
+  return update_entries(path, scales, {}, scales_meta)
 
-  The new directory is assembled beside the old one (bits are hard-linked, not copied), then
-  swapped in; the manifest records how the scales were obtained in ``scales``.
+
+def update_entries(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
+                   factors: Mapping[str, Any], scales_meta: Mapping[str, Any],
+                   factors_meta: Mapping[str, Any] | None = None) -> dict:
+  """Replaces α of 1-bit tensors and low-rank factors of ``residual`` / ``lora`` tensors in a
+  delta directory, atomically.
+
+  ``scales``: ``{name: α}`` in the stored scale shape, for ``packed`` and ``residual`` tensors.
+  ``factors``: ``{name: CodedLora}`` with the stored rank and widths (`residual.recode`), so
+  the directory's bytes do not change. The new directory is assembled beside the old one
+  (every other array is hard-linked, not copied), then swapped in; the manifest records how
+  the scales (``scales``) and factors (``factors``) were obtained.
   """
+  from bitdelta_jax.delta import factors_io
+
   path = Path(path)
   m = read_manifest(path)
   for name, a in scales.items():
     meta = m["tensors"].get(name)
-    if meta is None or meta["kind"] != "packed":
-      raise DeltaStoreError(f"{path}: {name!r} is not a packed tensor of this delta")
+    if meta is None or meta["kind"] not in ("packed", "residual"):
+      raise DeltaStoreError(f"{path}: {name!r} is not a 1-bit (packed or residual) tensor of "
+                            f"this delta")
     if list(np.shape(a)) != meta["arrays"]["scale"]["shape"]:
       raise DeltaStoreError(f"{path}: new scale for {name!r} has shape {list(np.shape(a))}, "
                             f"expected {meta['arrays']['scale']['shape']}")
+  for name, e in factors.items():
+    meta = m["tensors"].get(name)
+    if meta is None or meta["kind"] not in ("residual", "lora"):
+      raise DeltaStoreError(f"{path}: {name!r} is not a low-rank (residual or lora) tensor of "
+                            f"this delta")
+    k, n = meta["shape"]
+    widths = [int(w) for w in getattr(e, "widths", ())]
+    if (tuple(np.shape(e.a)) != (k, meta["rank"]) or tuple(np.shape(e.b)) != (meta["rank"], n)
+            or len(widths) != meta["rank"] or e.float_dtype != meta.get("float_dtype")):
+      raise DeltaStoreError(
+        f"{path}: new factors for {name!r} ({list(np.shape(e.a))} / {list(np.shape(e.b))}, "
+        f"{len(widths)} widths, {getattr(e, 'float_dtype', None)}) are not stored like the old "
+        f"ones ([{k}, {meta['rank']}] / [{meta['rank']}, {n}], {meta.get('float_dtype')})")
   with AtomicDir(path, overwrite=True, kind="delta") as out:
     for src in path.rglob("*"):
       rel = src.relative_to(path)
@@ -302,7 +330,17 @@ def update_scales(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
       d = _array_dir(out.tmp, name) / "scale"
       shutil.rmtree(d)
       m["tensors"][name]["arrays"]["scale"] = write_array(d, np.asarray(a, np.float32))
+    for name, e in factors.items():
+      meta, d = m["tensors"][name], _array_dir(out.tmp, name)
+      for field in list(meta["arrays"]):
+        if field not in ("bits", "scale"):  # the factor arrays (1-bit part kept)
+          shutil.rmtree(d / field)
+          del meta["arrays"][field]
+      fm = factors_io.write_factors(d, e, write_array)
+      meta["arrays"].update(fm["arrays"])
     m["scales"] = dict(scales_meta)
+    if factors_meta is not None:
+      m["factors"] = dict(factors_meta)
     (out.tmp / MANIFEST).write_text(json.dumps(m, indent=1))
     out.commit()
   return m

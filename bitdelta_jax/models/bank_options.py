@@ -4,8 +4,9 @@
     model = from_pretrained(base, num_slots=3, **kw)     # or: from_pretrained(..., variants=[...])
 
 A variant whose embeddings / LM head changed exactly needs dense embedding banks, a 1-bit one
-packed banks, one that added tokens ``extra_vocab`` rows, a PEFT LoRA adapter LoRA banks of
-its rank. The server (`serving.app`) and `from_pretrained(..., variants=...)` both ask here.
+packed banks, one that added tokens ``extra_vocab`` rows, a PEFT LoRA adapter or a delta with
+low-rank factors (manifest ``lora_rank``: dqrelo, svd, delta-come) LoRA banks of its rank. The
+server (`serving.app`) and `from_pretrained(..., variants=...)` both ask here.
 """
 
 from __future__ import annotations
@@ -63,5 +64,6 @@ def bank_options(variants: Iterable[str | os.PathLike], vocab_size: int) -> dict
     dense |= changes_embeddings(m)
     packed |= packs_embeddings(m)
     extra = max(extra, added_tokens(m, vocab_size))
+    rank = max(rank, int(m.get("lora_rank") or 0))  # dqrelo / svd / delta-come factors
   return {"dense_embedding_slots": dense, "packed_embedding_slots": packed,
           "lora_rank": rank, "extra_vocab": -(-extra // 64) * 64}
