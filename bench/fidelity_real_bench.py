@@ -4,12 +4,13 @@
 Per variant: the base, the full fine-tune, BitDelta per-matrix / per-column (1-bit embeddings
 with a per-token α where the fine-tune changed them, norms exact), per-column with scale
 distillation, and D-QRELO (1-bit + compensated low-rank residual, `delta.residual`) at 1/15 of
-the bf16 bytes of each linear weight. For each: task score (greedy exact match on held-out
+the bf16 bytes of each linear weight, as compressed and with α and the low-rank factors
+distilled together (`distill`, the factors re-quantised to bf16 as stored, bytes unchanged). For each: task score (greedy exact match on held-out
 prompts, %), NLL per answer token, mean KL(fine-tune ‖ variant) per answer token, and the
 whole-variant bytes against the bf16 fine-tune (``2 × parameters``) and against the bf16 linear
 layers alone.
 
-    python bench/fidelity_real_bench.py [--variants smol-math ...] [--n-eval 48]
+    python bench/fidelity_real_bench.py [--variants smol-math ...] [--n-eval 48] [--keep-previous]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
 from bitdelta_jax.delta.compress import CompressPolicy, apply_delta  # noqa: E402
-from bitdelta_jax.delta.store import load_delta, read_manifest  # noqa: E402
+from bitdelta_jax.delta.report import Report  # noqa: E402
+from bitdelta_jax.delta.store import load_delta, read_manifest, save_delta  # noqa: E402
 from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
 from bitdelta_jax.models import from_pretrained  # noqa: E402
 from bitdelta_jax.models.loading import from_tensors, load_config  # noqa: E402
@@ -39,6 +42,7 @@ from bitdelta_jax.zoo.real_base import import_real_base  # noqa: E402
 
 GOAL_POINTS = 1.0  # distilled BitDelta within 1 point of the fine-tune (issue 12, item 4)
 EMB = ("embed_tokens", "lm_head")
+NOTES = "## Reading the table"
 
 
 def tensor_bytes(manifest: dict, names=None) -> int:
@@ -127,6 +131,25 @@ def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
   record(f"dqrelo {args.budget_text} (+1-bit emb)", res, nbytes=nbytes)
   rows[f"dqrelo {args.budget_text} (+1-bit emb)"]["linear_ratio"] = (
     2 * n_linear / tensor_bytes(mq, set(linear)))
+  # The same delta as one directory (1-bit embeddings included), then α and the low-rank
+  # factors distilled together (`distill`, factors re-quantised to bf16 as stored).
+  qd = work / f"{name}-dqrelo-distilled"
+  mqd = save_delta(qd, delta_q, base_fingerprint=mq["base"], report=Report([]),
+                   policy=mq["policy"], overwrite=True)
+  if tensor_bytes(mqd) != nbytes:
+    raise AssertionError(f"merged dqrelo delta: {tensor_bytes(mqd)} bytes, expected {nbytes}")
+  info_q = distill_checkpoint(base_dir, ft_dir, qd, rf.calibration_ids(tok, name),
+                              DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
+                              progress=False)
+  mqd = read_manifest(qd)
+  if tensor_bytes(mqd) != nbytes:
+    raise AssertionError(f"distillation changed the delta's bytes: {tensor_bytes(mqd)} != {nbytes}")
+  res = evaluate(mc, base_t, load_delta(qd)[0], teacher, tok, examples)
+  res["lora_rank"] = mqd.get("lora_rank")
+  label = f"dqrelo {args.budget_text} +distill"
+  record(label, res, mqd)
+  rows[label]["distill"] = {k: info_q.get(k) for k in (
+    "steps", "held_mse_before", "held_mse_after", "seconds", "factors_distilled")}
   ft_rec = json.loads((ft_dir / "recipe.json").read_text())
   return {"rows": rows, "norm_ratios": rf.norm_ratios(base_dir, ft_dir),
           "train_embeddings": rf.VARIANTS[name].train_embeddings,
@@ -152,6 +175,13 @@ def write_md(out: Path, result: dict) -> None:
       kl = f"{r['kl']:.4f}" if r.get("kl") is not None else ""
       lines.append(f"| {name} | {label} | {r['score']:.1f} | {r['score'] - ft:+.1f} | "
                    f"{r['nll']:.3f} | {kl} | {size} | {lin} |")
+  runs: dict[str, list[str]] = {}
+  for name, v in result["variants"].items():
+    runs.setdefault(v.get("run", "this run"), []).append(name)
+  if len(runs) > 1:
+    lines += ["", "Rows by run (variants not re-run are kept from the earlier run; "
+              "`--keep-previous`):", ""]
+    lines += [f"- {run}: {', '.join(names)}" for run, names in runs.items()]
   lines += ["", "## Goals", ""]
   for g in result["goals"]:
     lines.append(f"- {g}")
@@ -161,7 +191,11 @@ def write_md(out: Path, result: dict) -> None:
   for name, v in result["variants"].items():
     lines.append(f"| {name} | {'yes' if v['train_embeddings'] else 'no'} | " + " | ".join(
       f"{v['norm_ratios'].get(t, 0.0):.2e}" for t in result["layer_types"]) + " |")
-  (out / "fidelity_real.md").write_text("\n".join(lines) + "\n")
+  notes = ""
+  old = out / "fidelity_real.md"
+  if old.exists() and NOTES in old.read_text():  # hand-written reading notes are kept
+    notes = "\n" + NOTES + old.read_text().split(NOTES, 1)[1].rstrip() + "\n"
+  (out / "fidelity_real.md").write_text("\n".join(lines) + "\n" + notes)
 
 
 def plot(out: Path, result: dict) -> None:
@@ -171,12 +205,13 @@ def plot(out: Path, result: dict) -> None:
   import matplotlib.pyplot as plt
 
   names = list(result["variants"])
-  labels = list(next(iter(result["variants"].values()))["rows"])
+  labels = list(dict.fromkeys(k for v in result["variants"].values() for k in v["rows"]))
   fig, ax = plt.subplots(figsize=(10, 4))
   w = 0.8 / len(labels)
   for i, label in enumerate(labels):
-    ax.bar(np.arange(len(names)) + i * w, [result["variants"][n]["rows"][label]["score"]
-                                            for n in names], w, label=label)
+    ax.bar(np.arange(len(names)) + i * w, [
+      result["variants"][n]["rows"].get(label, {}).get("score", np.nan) for n in names],
+      w, label=label)
   ax.set_xticks(np.arange(len(names)) + 0.4 - w / 2, names)
   ax.set_ylabel("held-out exact match (%)")
   ax.set_title("Real SmolLM2-135M fine-tunes: task score by compression method")
@@ -194,6 +229,8 @@ def main() -> None:
   p.add_argument("--family", help="a real family built by `bitdelta zoo build --real`: its "
                  "distilled deltas are the +distill rows (else distilled here)")
   p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  p.add_argument("--keep-previous", action="store_true", help="keep the variants of the "
+                 "existing fidelity_real.json that are not re-run (marked with their run)")
   args = p.parse_args()
   num, den = args.budget.split("/")
   args.budget_text, args.budget = args.budget, float(num) / float(den)
@@ -203,11 +240,26 @@ def main() -> None:
   with CheckpointReader(base_dir) as r:
     base_t = {n: r.read(n) for n in r.names()}
   out = Path(args.out)
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+  run = f"commit {commit}, {time.strftime('%Y-%m-%d')}"
   result = {"machine": describe(), "n_eval": args.n_eval, "budget": args.budget_text,
-            "recipe": json.loads(rf.RealRecipe().key()), "variants": {}}
+            "recipe": json.loads(rf.RealRecipe().key()), "commit": commit, "variants": {}}
+  previous = {}
+  if args.keep_previous and (out / "fidelity_real.json").exists():
+    old = json.loads((out / "fidelity_real.json").read_text())
+    old_run = old.get("run_label") or f"commit {old.get('commit', '2fe616b')} (earlier run)"
+    previous = {n: {**v, "run": v.get("run", old_run)} for n, v in old["variants"].items()}
   with tempfile.TemporaryDirectory() as tmp:
     for name in args.variants:
       result["variants"][name] = run_variant(name, base_dir, base_t, mc, tok, Path(tmp), args)
+      result["variants"][name]["run"] = run
+      # each variant's rows as soon as they exist (a later failure keeps them)
+      (Path(tempfile.gettempdir()) / f"fidelity_real_{name}.json").write_text(
+        json.dumps(result["variants"][name], indent=1, default=float))
+  order = list(dict.fromkeys([*rf.VARIANTS, *previous, *result["variants"]]))
+  merged = {**previous, **result["variants"]}
+  result["variants"] = {n: merged[n] for n in order if n in merged}
   types = sorted({t for v in result["variants"].values() for t in v["norm_ratios"]})
   result["layer_types"] = types
   goals = []
@@ -217,10 +269,13 @@ def main() -> None:
     d = r["bitdelta per-column +distill"]["score"] - ft
     goals.append(f"{name}: distilled BitDelta {d:+.1f} points vs the fine-tune "
                  f"({'met' if d >= -GOAL_POINTS else 'missed'}, goal within {GOAL_POINTS})")
-    q = next(k for k in r if k.startswith("dqrelo"))
-    dq = r[q]["score"] - ft
-    goals.append(f"{name}: D-QRELO at {args.budget_text} {dq:+.1f} points "
-                 f"({'met' if dq >= -0.3 else 'missed'}, goal within 0.3)")
+    for q in [k for k in r if k.startswith("dqrelo")]:
+      dq, rq = r[q]["score"] - ft, r[q]
+      goals.append(f"{name}: {q} {dq:+.1f} points, KL {rq['kl']:.4f}, NLL {rq['nll']:.3f} "
+                   f"(fine-tune NLL {r['fine-tune']['nll']:.3f}), linear layers "
+                   f"1/{rq['linear_ratio']:.1f} of bf16 "
+                   f"({'met' if dq >= -0.3 and rq['linear_ratio'] >= 15 else 'missed'}, goal "
+                   f"within 0.3 at <= 1/15)")
     wr = r["bitdelta per-column"]["whole_ratio"]
     goals.append(f"{name}: whole variant 1/{wr:.1f} of the bf16 fine-tune "
                  f"({'met' if wr >= 14 else 'missed'}, goal <= 1/14)")
