@@ -1,20 +1,29 @@
 """CPU path: base GEMM by XLA, delta term by a small C++ kernel called through `jax.ffi`.
 
 Why: on CPU a naive unpack-then-dot materialises a ``[K, N]`` f32 sign matrix per call and
-costs ~11x the base GEMV at batch 1. The kernel in ``cpu_kernel.cc`` never expands the bits
-to memory: it uses ``x·S = 2·x·B − rowsum(x)`` and sums ``B``'s rows through lookups in
-from two 16-entry tables per 8 rows of K (T-MAC style: ``vpermps`` looks up a nibble of packed
-bits for 16 columns at once with AVX-512; with AVX2 only, two 8-entry ``vpermps`` and a blend
-for 8 columns, 1.4-1.7x faster variant decode steps than the portable loop on an AVX2-only AMD
-EPYC, bench/results/variant_step.md; a portable loop elsewhere). Rows are grouped by slot so each
-slot's delta is read once per block of 4 rows.
+costs ~11x the base GEMV at batch 1. The kernel in ``cpu_kernel.cc`` groups the rows by slot
+(each slot present reads its bits once per block of rows) and picks a strategy per slot by its
+row count:
 
-Numerics: delta term accumulated in f32 from f32 x, α applied in the epilogue; the base
-product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
+* few rows (decode): ``x·S = 2·x·B − rowsum(x)``, summing ``B``'s rows through lookups in two
+  16-entry tables per 8 rows of K (T-MAC style: ``vpermps`` looks up a nibble of packed bits for
+  16 columns at once with AVX-512; with AVX2 two 8-entry ``vpermps`` and a blend for 8 columns; a
+  portable loop elsewhere). Tables are built once per row and reused over all columns.
+* many rows of one slot (prefill): per 64-column panel, ``S`` is expanded once to ±1 f32 in a
+  scratch buffer that stays in L2, then an AVX-512 FMA micro-kernel (6 rows x 64 columns of
+  accumulators) runs every row of the slot over it: one extra small-GEMM pass.
+
+The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
+``$BITDELTA_CPU_EXPAND_ROWS``, else the kernel's measured default (bench/results/cpu_delta.md).
+``expand_rows=1`` forces expand-then-FMA for every slot, a huge value forces the LUT (tests).
+
+Numerics: delta term accumulated in f32 from f32 x, α applied in the kernel's epilogue; the
+base product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
 `pallas_kernels.small_matmul` kernel); the sum is cast to ``x.dtype``.
 
 Backend: host CPU only. The kernel is compiled on first use with the system ``g++``
-(``-O3 -march=native``, std::thread over column tiles; ``$BITDELTA_CPU_THREADS`` caps them) and cached under ``~/.cache/bitdelta_jax``
+(``-O3 -march=native``; a persistent thread pool splits rows or columns once a call is big
+enough, ``$BITDELTA_CPU_THREADS`` caps it) and cached under ``~/.cache/bitdelta_jax``
 (override with ``$BITDELTA_CACHE_DIR``). With no compiler, `unavailable_reason()` says why and
 `api.delta_matmul` falls back to the pure-XLA path.
 """
@@ -23,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import pathlib
 
 import jax
@@ -36,8 +46,13 @@ _TARGET = "bitdelta_delta_matmul"
 
 
 def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
-  return native.build(_SOURCE, "delta_term", include_dirs=(jax.ffi.include_dir(),),
-                      key_extra=jax.__version__.encode(), arch=arch)
+  return native.build(
+    _SOURCE,
+    "delta_term",
+    include_dirs=(jax.ffi.include_dir(),),
+    key_extra=jax.__version__.encode(),
+    arch=arch,
+  )
 
 
 @functools.cache
@@ -89,9 +104,27 @@ def shapes_supported(x_shape, w_shape, bits_shape, scale_shape, group_k: int) ->
   return None
 
 
-def fused_call(x, bits, scale, slots, base, *, group_k: int, target: str = _TARGET) -> jax.Array:
+def expand_rows_default() -> int:
+  """``$BITDELTA_CPU_EXPAND_ROWS`` if set, else 0 (the kernel's own default)."""
+  return int(os.environ.get("BITDELTA_CPU_EXPAND_ROWS", "0"))
+
+
+def fused_call(
+  x,
+  bits,
+  scale,
+  slots,
+  base,
+  *,
+  group_k: int,
+  target: str = _TARGET,
+  expand_rows: int | None = None,
+) -> jax.Array:
   """``base + α ⊙ (x·S)`` per row, f32 ``[M, N]``; bits ``[S, R, N]``; slots ``[M]`` (<0: base).
-  ``target``: another build of the kernel (`build_target`)."""
+  ``target``: another build of the kernel (`build_target`). ``expand_rows``: a slot with at
+  least this many rows takes expand-then-FMA, fewer the LUT (None: `expand_rows_default`)."""
+  if expand_rows is None:
+    expand_rows = expand_rows_default()
   call = jax.ffi.ffi_call(
     target,
     jax.ShapeDtypeStruct(base.shape, jnp.float32),
@@ -105,6 +138,7 @@ def fused_call(x, bits, scale, slots, base, *, group_k: int, target: str = _TARG
     slots.astype(jnp.int32),
     base.astype(jnp.float32),
     group_k=np.int64(group_k),
+    expand_rows=np.int64(expand_rows),
   )
 
 

@@ -3,20 +3,36 @@
 //   out[m, n] = base[m, n] + alpha[s, n] * (x[m] . S_s[:, n]),  s = slots[m];
 //   rows with s < 0 or s >= S get out = base (base only).
 //
-// x.S = 2 x.B - rowsum(x) with B in {0, 1} the stored bit planes. A packed byte row r holds
-// bits for 8 rows of K (k = g*G + j*P + p, j = bit). Per row of x and byte row r we build two
-// 16-entry tables (T-MAC / LUT-GEMM style): T_lo[i] = sum over the set bits j < 4 of i of
-// x[k_j], T_hi the same for bits 4..7. Then for 16 columns at once
-//   acc += vpermps(bytes, T_lo) + vpermps(bytes >> 4, T_hi)
-// (vpermps only reads the low 4 index bits), i.e. 8 rows of K cost 2 permutes and 2 adds per
-// 16 columns, and the bits never leave registers. Padded rows (k >= K) have x = 0 in the table.
-// With AVX2 (no AVX-512: e.g. AMD Zen 2/3) a 16-entry lookup is two 8-entry vpermps (the low 3
-// index bits) and a blend on bit 3, for 8 columns: 8 rows of K cost 4 permutes, 2 blends and 2
-// adds per 8 columns. A portable loop (two scalar lookups per byte) runs where neither exists.
+// Rows are grouped by slot (one counting sort), so each slot present reads its bits once per
+// block of rows; slots no row uses are never read. Per slot, by its row count:
+//
+// * LUT (few rows, decode). x.S = 2 x.B - rowsum(x) with B in {0, 1} the stored bit planes. A
+//   packed byte row r holds bits for 8 rows of K (k = g*G + j*P + p, j = bit). Per row of x and
+//   byte row r: two 16-entry tables (T-MAC / LUT-GEMM style), T_lo[i] = sum over the set bits
+//   j < 4 of i of x[k_j], T_hi the same for bits 4..7. Then for 16 columns at once
+//     acc += vpermps(bytes, T_lo) + vpermps(bytes >> 4, T_hi)
+//   (vpermps reads the low 4 index bits): 8 rows of K cost 2 permutes and 2 adds per 16
+//   columns, the bits never leave registers. A table is built once per row (4 masked adds per
+//   half with AVX-512) and reused over all column tiles; rowsum(x) = sum of the T[15] entries.
+//   With AVX2 a 16-entry lookup is two 8-entry vpermps and a blend on bit 3, for 8 columns.
+// * Expand-then-FMA (many rows, prefill). Per panel of kPanel columns, S (+-1.0 f32, [K, kPanel])
+//   is written once into a scratch buffer that stays in L2, then a register-blocked FMA
+//   micro-kernel (kMr rows x kPanel columns of accumulators) runs every row of the slot over it.
+//   One extra small-GEMM pass: its cost no longer grows with table building per row.
+//
+// The row count at which a slot switches to expand-then-FMA is the attribute expand_rows (<= 0:
+// kExpandRowsDefault). Work is split into tasks (row blocks or column ranges of one slot) run by
+// a persistent thread pool when the call is big enough; alpha and base are applied in the tile
+// epilogues. A portable path (scalar lookups, plain loops over the expanded panel) runs where
+// neither AVX-512 nor AVX2 exists.
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -34,9 +50,22 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxRows = 4;        // rows of x per block (shares each loaded byte row)
-constexpr int kTileCols = 64;      // columns per tile (4 zmm accumulators per row)
-constexpr int kPrefetchRows = 16;  // byte rows are N bytes apart: prefetch ahead
+constexpr int kMaxRows = 4;        // LUT: rows of x per block (shares each loaded byte row)
+constexpr int kTileCols = 64;      // LUT: columns per tile (4 zmm accumulators per row)
+constexpr int kPrefetchRows = 16;  // LUT: byte rows are N bytes apart, prefetch ahead
+constexpr int kPanel = 64;         // expand: columns per expanded panel
+constexpr int kMr = 6;             // expand: rows per FMA micro-kernel call
+// Rows of one slot from which expand-then-FMA beats the LUT (bench/results/cpu_delta.md). With
+// AVX-512 the LUT's 2 permutes + 2 adds per 16 columns x 8 rows of K beat 8 FMAs at every row
+// count measured (1-512), so expand-then-FMA only runs when asked for.
+#ifdef BD_AVX512
+constexpr int64_t kExpandRowsDefault = int64_t(1) << 40;
+#else
+constexpr int64_t kExpandRowsDefault = 48;
+#endif
+// Vector operations (about cycles) below which one thread does everything: waking the pool
+// costs ~5-10 us.
+constexpr int64_t kMinWorkPerThread = int64_t(1) << 16;
 
 struct Problem {
   const float* x;        // [M, K]
@@ -47,38 +76,121 @@ struct Problem {
   int64_t M, K, N, R, G, C, S;
 };
 
-// Tables for `nrows` rows: tab[(m * R + r) * 32 + {0..15 lo, 16..31 hi}].
+// --- thread pool ---------------------------------------------------------------------------------
+
+// A persistent pool (the same design as pallas_kernels/small_matmul/cpu_kernel.cc): run(f, n)
+// calls f(i) for every i in [0, n), the caller taking part. Never destroyed (detached threads).
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* p = new Pool;
+    return *p;
+  }
+  int size() const { return workers_ + 1; }
+  void run(const std::function<void(int)>& f, int n) {
+    if (n <= 1 || workers_ == 0) {
+      for (int i = 0; i < n; ++i) f(i);
+      return;
+    }
+    // One run at a time: XLA may run independent custom calls (q/k/v projections) at once.
+    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      job_ = &f; njobs_ = n; done_ = 0; gen = ++gen_;
+      next_.store((gen & 0xffffffffu) << 32);
+    }
+    cv_.notify_all();
+    int i, mine = 0;
+    while ((i = claim(gen, n)) >= 0) { f(i); ++mine; }
+    std::unique_lock<std::mutex> lk(mu_);
+    done_ += mine;
+    done_cv_.wait(lk, [&] { return done_ >= n; });
+  }
+
+ private:
+  Pool() {
+    int n = int(std::thread::hardware_concurrency());
+    if (const char* env = std::getenv("BITDELTA_CPU_THREADS")) n = std::atoi(env);
+    n = std::max(1, std::min(n, 64));
+    for (int i = 1; i < n; ++i) std::thread([this] { loop(); }).detach();
+    workers_ = n - 1;
+  }
+  int claim(uint64_t gen, int n) {  // the next index of run `gen`, or -1
+    uint64_t cur = next_.load();
+    for (;;) {
+      if ((cur >> 32) != (gen & 0xffffffffu) || int(cur & 0xffffffffu) >= n) return -1;
+      if (next_.compare_exchange_weak(cur, cur + 1)) return int(cur & 0xffffffffu);
+    }
+  }
+  void loop() {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int)>* job;
+      int n;
+      {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_ != seen; });
+        seen = gen_; job = job_; n = njobs_;
+      }
+      int i, mine = 0;
+      while ((i = claim(seen, n)) >= 0) { (*job)(i); ++mine; }
+      if (mine) {
+        std::lock_guard<std::mutex> lk(mu_);
+        done_ += mine;
+        done_cv_.notify_all();
+      }
+    }
+  }
+  int workers_ = 0;
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int)>* job_ = nullptr;
+  std::atomic<uint64_t> next_{0};
+  int njobs_ = 0, done_ = 0;
+  uint64_t gen_ = 0;
+};
+
+// --- LUT strategy --------------------------------------------------------------------------------
+
+// The 8 x values behind byte row r (0 for padded rows k >= K).
+inline void ByteRowValues(const Problem& p, const float* x, int64_t r, float xs[8]) {
+  const int64_t P = p.G / 8, k0 = (r / P) * p.G + r % P;
+  for (int j = 0; j < 8; ++j) {
+    const int64_t k = k0 + j * P;
+    xs[j] = k < p.K ? x[k] : 0.0f;
+  }
+}
+
+// Tables for `nrows` rows: tab[(m * R + r) * 32 + {0..15 lo, 16..31 hi}]; rowsum from T[15]s.
 void BuildTables(const Problem& p, const int32_t* rows, int nrows, float* tab, float* rowsum) {
-  const int64_t P = p.G / 8;
   for (int m = 0; m < nrows; ++m) {
     const float* x = p.x + int64_t(rows[m]) * p.K;
     float rs = 0.0f;
     for (int64_t r = 0; r < p.R; ++r) {
-      const int64_t g = r / P, pp = r % P;
       float xs[8];
-      for (int j = 0; j < 8; ++j) {
-        const int64_t k = g * p.G + j * P + pp;
-        xs[j] = k < p.K ? x[k] : 0.0f;
-        rs += xs[j];
-      }
+      ByteRowValues(p, x, r, xs);
       float* t = tab + (int64_t(m) * p.R + r) * 32;
+#ifdef BD_AVX512
+      const __mmask16 bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};  // entries i with bit j set
       for (int h = 0; h < 2; ++h) {
-        const float* v = xs + 4 * h;
-        float* th = t + 16 * h;
-        for (int i = 0; i < 16; ++i)
-          th[i] = ((i & 1) ? v[0] : 0.0f) + ((i & 2) ? v[1] : 0.0f) + ((i & 4) ? v[2] : 0.0f) +
-                  ((i & 8) ? v[3] : 0.0f);
+        __m512 v = _mm512_setzero_ps();
+        for (int j = 0; j < 4; ++j)
+          v = _mm512_mask_add_ps(v, bit[j], v, _mm512_set1_ps(xs[4 * h + j]));
+        _mm512_storeu_ps(t + 16 * h, v);
       }
+#else
+      for (int h = 0; h < 2; ++h) {  // T[i] = T[i without its top bit] + x of that bit
+        float* th = t + 16 * h;
+        th[0] = 0.0f;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < (1 << j); ++i) th[(1 << j) + i] = th[i] + xs[4 * h + j];
+      }
+#endif
+      rs += t[15] + t[31];
     }
     rowsum[m] = rs;
   }
-}
-
-void Epilogue(const Problem& p, const float* scale_s, const int32_t* rows, int nrows,
-              const float* rowsum, int64_t n, float acc, int m) {
-  const float alpha = p.C == 1 ? scale_s[0] : scale_s[n];
-  const int64_t o = int64_t(rows[m]) * p.N + n;
-  p.out[o] = p.base[o] + alpha * (2.0f * acc - rowsum[m]);
 }
 
 #ifdef BD_AVX512
@@ -129,14 +241,14 @@ void Tile(const Problem& p, const uint8_t* bits_s, const float* scale_s, const i
 #endif
 
 #ifdef BD_AVX2
-// 16-entry table lookup for 8 lanes: t8[0] = entries 0..7, t8[1] = entries 8..15; ``sel``
-// carries index bit 3 in each lane's sign bit.
+// 16-entry table lookup for 8 lanes: t0 = entries 0..7, t1 = entries 8..15; ``sel`` carries
+// index bit 3 in each lane's sign bit.
 static inline __m256 Lookup16(__m256i idx, __m256i sel, __m256 t0, __m256 t1) {
   return _mm256_blendv_ps(_mm256_permutevar8x32_ps(t0, idx), _mm256_permutevar8x32_ps(t1, idx),
                           _mm256_castsi256_ps(sel));
 }
 
-// Columns [n0, n0 + 16·chunks) of a tile, 16 at a time (2 ymm accumulators per row).
+// Columns [n0, n0 + 16) (2 ymm accumulators per row).
 template <int MB>
 void Tile2(const Problem& p, const uint8_t* bits_s, const float* scale_s, const int32_t* rows,
            const float* tab, const float* rowsum, int64_t n0) {
@@ -188,13 +300,15 @@ void TileGeneric(const Problem& p, const uint8_t* bits_s, const float* scale_s,
     }
   }
   for (int m = 0; m < nrows; ++m)
-    for (int64_t c = 0; c < ncols; ++c) Epilogue(p, scale_s, rows, nrows, rowsum, n0 + c, acc[m][c], m);
+    for (int64_t c = 0; c < ncols; ++c) {
+      const int64_t n = n0 + c, o = int64_t(rows[m]) * p.N + n;
+      const float alpha = p.C == 1 ? scale_s[0] : scale_s[n];
+      p.out[o] = p.base[o] + alpha * (2.0f * acc[m][c] - rowsum[m]);
+    }
 }
 
-void RunTile(const Problem& p, int64_t s, const int32_t* rows, int nrows, const float* tab,
-             const float* rowsum, int64_t n0) {
-  const uint8_t* bits_s = p.bits + s * p.R * p.N;
-  const float* scale_s = p.scale + s * p.C;
+void LutTile(const Problem& p, const uint8_t* bits_s, const float* scale_s, const int32_t* rows,
+             int nrows, const float* tab, const float* rowsum, int64_t n0) {
 #ifdef BD_AVX512
   switch (nrows) {
     case 1: return Tile<1>(p, bits_s, scale_s, rows, tab, rowsum, n0);
@@ -221,33 +335,188 @@ void RunTile(const Problem& p, int64_t s, const int32_t* rows, int nrows, const 
 #endif
 }
 
-// One worker: all row blocks of all slots, over the column tiles [t0, t1).
-void Worker(const Problem& p, const std::vector<std::vector<int32_t>>& rows_by_slot,
-            int64_t t0, int64_t t1) {
-  std::vector<float> tab(size_t(kMaxRows) * p.R * 32 + 16);
+// Rows [rows, rows + nrows) of slot s over columns [c0, c1) (multiples of kTileCols but c1).
+void RunLut(const Problem& p, int64_t s, const int32_t* rows, int64_t nrows, int64_t c0,
+            int64_t c1) {
+  thread_local std::vector<float> tab;
+  tab.resize(size_t(kMaxRows) * p.R * 32);
   float rowsum[kMaxRows];
-  for (int64_t s = 0; s < p.S; ++s) {
-    const auto& rows = rows_by_slot[s];
-    for (size_t r0 = 0; r0 < rows.size(); r0 += kMaxRows) {
-      const int nrows = int(std::min<size_t>(kMaxRows, rows.size() - r0));
-      BuildTables(p, rows.data() + r0, nrows, tab.data(), rowsum);
-      for (int64_t t = t0; t < t1; ++t)
-        RunTile(p, s, rows.data() + r0, nrows, tab.data(), rowsum, t * kTileCols);
+  const uint8_t* bits_s = p.bits + s * p.R * p.N;
+  const float* scale_s = p.scale + s * p.C;
+  for (int64_t r0 = 0; r0 < nrows; r0 += kMaxRows) {
+    const int nb = int(std::min<int64_t>(kMaxRows, nrows - r0));
+    BuildTables(p, rows + r0, nb, tab.data(), rowsum);
+    for (int64_t n0 = c0; n0 < c1; n0 += kTileCols)
+      LutTile(p, bits_s, scale_s, rows + r0, nb, tab.data(), rowsum, n0);
+  }
+}
+
+// --- expand-then-FMA strategy -------------------------------------------------------------------
+
+// panel[k * kPanel + c] = S[k, n0 + c] (+-1.0) for k < K, c < ncols (columns past N: unused).
+void ExpandPanel(const Problem& p, const uint8_t* bits_s, int64_t n0, int64_t ncols,
+                 float* panel) {
+  const int64_t P = p.G / 8;
+  for (int64_t r = 0; r < p.R; ++r) {
+    const uint8_t* b = bits_s + r * p.N + n0;
+    const int64_t k0 = (r / P) * p.G + r % P;
+#ifdef BD_AVX512
+    for (int64_t c = 0; c < ncols; c += 16) {
+      const int64_t left = ncols - c;
+      const __mmask16 lm = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lm, b + c));
+      for (int j = 0; j < 8; ++j) {
+        const int64_t k = k0 + j * P;
+        if (k >= p.K) break;
+        const __mmask16 set = _mm512_test_epi32_mask(v, _mm512_set1_epi32(1 << j));
+        _mm512_storeu_ps(panel + k * kPanel + c,
+                         _mm512_mask_blend_ps(set, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f)));
+      }
+    }
+#else
+    for (int j = 0; j < 8; ++j) {
+      const int64_t k = k0 + j * P;
+      if (k >= p.K) break;
+      float* dst = panel + k * kPanel;
+      for (int64_t c = 0; c < ncols; ++c) dst[c] = (b[c] >> j) & 1 ? 1.0f : -1.0f;
+    }
+#endif
+  }
+}
+
+#ifdef BD_AVX512
+// acc[m][q] = x[rows[m]] . panel[:, 16q : 16q + 16]; kMr x 4 zmm accumulators, then epilogue.
+template <int MR>
+void FmaBlock(const Problem& p, const float* panel, const float* scale_s, const int32_t* rows,
+              int64_t n0, int64_t ncols) {
+  const float* xr[MR];
+  for (int m = 0; m < MR; ++m) xr[m] = p.x + int64_t(rows[m]) * p.K;
+  __m512 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
+  const float* w = panel;
+  for (int64_t k = 0; k < p.K; ++k, w += kPanel) {
+    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
+    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 xb = _mm512_set1_ps(xr[m][k]);
+      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
+      acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+      acc[m][3] = _mm512_fmadd_ps(xb, w3, acc[m][3]);
+    }
+  }
+  for (int q = 0; q < 4; ++q) {
+    const int64_t left = ncols - 16 * q;
+    if (left <= 0) break;
+    const __mmask16 lm = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    const int64_t c = n0 + 16 * q;
+    const __m512 alpha = p.C == 1 ? _mm512_set1_ps(scale_s[0])
+                                  : _mm512_maskz_loadu_ps(lm, scale_s + c);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t o = int64_t(rows[m]) * p.N + c;
+      const __m512 y = _mm512_fmadd_ps(alpha, acc[m][q], _mm512_maskz_loadu_ps(lm, p.base + o));
+      _mm512_mask_storeu_ps(p.out + o, lm, y);
+    }
+  }
+}
+#endif
+
+// Portable (and AVX2: the compiler vectorises the column loop) block of up to kMr rows.
+void FmaBlockGeneric(const Problem& p, const float* panel, const float* scale_s,
+                     const int32_t* rows, int nrows, int64_t n0, int64_t ncols) {
+  for (int m = 0; m < nrows; ++m) {
+    const float* x = p.x + int64_t(rows[m]) * p.K;
+    float acc[kPanel] = {};
+    for (int64_t k = 0; k < p.K; ++k) {
+      const float xk = x[k];
+      const float* w = panel + k * kPanel;
+      for (int c = 0; c < kPanel; ++c) acc[c] += xk * w[c];
+    }
+    for (int64_t c = 0; c < ncols; ++c) {
+      const int64_t n = n0 + c, o = int64_t(rows[m]) * p.N + n;
+      const float alpha = p.C == 1 ? scale_s[0] : scale_s[n];
+      p.out[o] = p.base[o] + alpha * acc[c];
     }
   }
 }
 
-int NumThreads(int64_t work, int64_t tiles) {
-  int n = int(std::thread::hardware_concurrency());
-  if (const char* env = std::getenv("BITDELTA_CPU_THREADS")) n = std::atoi(env);
-  if (work < (int64_t(1) << 20)) n = 1;  // thread start-up would dominate
-  return int(std::max<int64_t>(1, std::min<int64_t>({int64_t(n), tiles, 64})));
+void FmaRows(const Problem& p, const float* panel, const float* scale_s, const int32_t* rows,
+             int nrows, int64_t n0, int64_t ncols) {
+#ifdef BD_AVX512
+  switch (nrows) {
+    case 1: return FmaBlock<1>(p, panel, scale_s, rows, n0, ncols);
+    case 2: return FmaBlock<2>(p, panel, scale_s, rows, n0, ncols);
+    case 3: return FmaBlock<3>(p, panel, scale_s, rows, n0, ncols);
+    case 4: return FmaBlock<4>(p, panel, scale_s, rows, n0, ncols);
+    case 5: return FmaBlock<5>(p, panel, scale_s, rows, n0, ncols);
+    default: return FmaBlock<6>(p, panel, scale_s, rows, n0, ncols);
+  }
+#else
+  FmaBlockGeneric(p, panel, scale_s, rows, nrows, n0, ncols);
+#endif
+}
+
+// Rows [rows, rows + nrows) of slot s over columns [c0, c1) (multiples of kPanel but c1).
+void RunExpand(const Problem& p, int64_t s, const int32_t* rows, int64_t nrows, int64_t c0,
+               int64_t c1) {
+  static_assert(kMr <= 6, "FmaBlock instances go up to 6 rows");
+  thread_local std::vector<float> panel;
+  panel.resize(size_t(p.K) * kPanel);
+  const uint8_t* bits_s = p.bits + s * p.R * p.N;
+  const float* scale_s = p.scale + s * p.C;
+  for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
+    const int64_t ncols = std::min<int64_t>(c1 - n0, kPanel);
+    ExpandPanel(p, bits_s, n0, ncols, panel.data());
+    for (int64_t r0 = 0; r0 < nrows; r0 += kMr)
+      FmaRows(p, panel.data(), scale_s, rows + r0, int(std::min<int64_t>(kMr, nrows - r0)), n0,
+              ncols);
+  }
+}
+
+// --- work split ---------------------------------------------------------------------------------
+
+// One slot's rows (a contiguous part of the sorted row list) over a column range.
+struct Task {
+  int64_t slot;
+  const int32_t* rows;
+  int64_t nrows, c0, c1;
+  bool expand;
+};
+
+// Vector operations (about cycles) of `nrows` rows of one slot over all N columns.
+int64_t Work(const Problem& p, int64_t nrows, bool expand) {
+  const int64_t chunks = (p.N + 15) / 16;
+  if (expand) return p.K * chunks * (nrows + 1);  // FMAs, plus writing the panel once
+  return nrows * p.R * (4 * chunks + 20);        // lookups and adds, plus the tables
+}
+
+// Splits one slot into about `parts` tasks: rows (whole blocks) when there are enough of them,
+// else column ranges (whole tiles / panels).
+void Split(const Problem& p, int64_t s, const int32_t* rows, int64_t nrows, bool expand,
+           int parts, std::vector<Task>& tasks) {
+  const int64_t block = expand ? kMr : kMaxRows, width = expand ? kPanel : kTileCols;
+  const int64_t blocks = (nrows + block - 1) / block, tiles = (p.N + width - 1) / width;
+  if (parts <= 1) {
+    tasks.push_back({s, rows, nrows, 0, p.N, expand});
+  } else if (blocks >= (expand ? 2 * parts : parts)) {
+    for (int i = 0; i < parts; ++i) {  // disjoint rows: no table is built twice
+      const int64_t b0 = blocks * i / parts, b1 = blocks * (i + 1) / parts;
+      const int64_t r0 = b0 * block, r1 = std::min(nrows, b1 * block);
+      if (r1 > r0) tasks.push_back({s, rows + r0, r1 - r0, 0, p.N, expand});
+    }
+  } else {
+    const int64_t n = std::min<int64_t>(parts, tiles);
+    for (int64_t i = 0; i < n; ++i)
+      tasks.push_back({s, rows, nrows, tiles * i / n * width,
+                       std::min(p.N, tiles * (i + 1) / n * width), expand});
+  }
 }
 
 ffi::Error DeltaMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> bits,
                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> slots,
                            ffi::Buffer<ffi::F32> base, ffi::ResultBuffer<ffi::F32> out,
-                           int64_t group_k) {
+                           int64_t group_k, int64_t expand_rows) {
   auto xd = x.dimensions();
   auto bd = bits.dimensions();
   auto sd = scale.dimensions();
@@ -262,25 +531,51 @@ ffi::Error DeltaMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> bits,
   p.x = x.typed_data(); p.bits = bits.typed_data(); p.scale = scale.typed_data();
   p.base = base.typed_data(); p.out = out->typed_data();
   const int32_t* slot = slots.typed_data();
+  if (expand_rows <= 0) expand_rows = kExpandRowsDefault;
 
-  std::vector<std::vector<int32_t>> rows_by_slot(p.S);
-  int64_t active = 0;
+  // Counting sort of the rows by slot: rows of slot s are order[start[s] .. start[s + 1]).
+  std::vector<int32_t> start(p.S + 1, 0), order(p.M);
   for (int64_t m = 0; m < p.M; ++m) {
     if (slot[m] >= 0 && slot[m] < p.S) {
-      rows_by_slot[slot[m]].push_back(int32_t(m));
-      ++active;
+      ++start[slot[m] + 1];
     } else if (p.out != p.base) {
       std::memcpy(p.out + m * p.N, p.base + m * p.N, sizeof(float) * p.N);  // base only
     }
   }
-  const int64_t tiles = (p.N + kTileCols - 1) / kTileCols;
-  const int nthreads = NumThreads(active * p.K * p.N / 8, tiles);
-  std::vector<std::thread> pool;
-  for (int i = 1; i < nthreads; ++i)
-    pool.emplace_back(Worker, std::cref(p), std::cref(rows_by_slot), tiles * i / nthreads,
-                      tiles * (i + 1) / nthreads);
-  Worker(p, rows_by_slot, 0, tiles / nthreads);
-  for (auto& t : pool) t.join();
+  for (int64_t s = 0; s < p.S; ++s) start[s + 1] += start[s];
+  {
+    std::vector<int32_t> fill(start.begin(), start.end() - 1);
+    for (int64_t m = 0; m < p.M; ++m)
+      if (slot[m] >= 0 && slot[m] < p.S) order[fill[slot[m]]++] = int32_t(m);
+  }
+
+  int64_t work = 0;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t nr = start[s + 1] - start[s];
+    if (nr) work += Work(p, nr, nr >= expand_rows);
+  }
+  Pool& pool = Pool::get();
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(pool.size(),
+                                                                   work / kMinWorkPerThread)));
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t nr = start[s + 1] - start[s];
+    if (!nr) continue;
+    const bool expand = nr >= expand_rows;
+    // a slot's share of the threads, by its share of the work
+    const int parts = threads == 1 ? 1 : int(std::max<int64_t>(
+      1, (threads * Work(p, nr, expand) + work - 1) / work));
+    Split(p, s, order.data() + start[s], nr, expand, parts, tasks);
+  }
+  auto run = [&](int i) {
+    const Task& t = tasks[i];
+    (t.expand ? RunExpand : RunLut)(p, t.slot, t.rows, t.nrows, t.c0, t.c1);
+  };
+  if (threads == 1) {
+    for (size_t i = 0; i < tasks.size(); ++i) run(int(i));
+  } else {
+    pool.run(run, int(tasks.size()));
+  }
   return ffi::Error::Success();
 }
 
@@ -305,4 +600,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaMatmul, DeltaMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // slots [M]
                                   .Arg<ffi::Buffer<ffi::F32>>()   // base [M, N] = x . W_base
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N]
-                                  .Attr<int64_t>("group_k"));
+                                  .Attr<int64_t>("group_k")
+                                  .Attr<int64_t>("expand_rows"));  // <= 0: kernel default

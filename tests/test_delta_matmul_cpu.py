@@ -1,0 +1,180 @@
+"""The C++ CPU delta kernel (`pallas_kernels/delta_matmul/cpu_kernel.cc`) against float64 numpy.
+
+    out[m] = base[m] + α[s] ⊙ (x[m] · S_s),  s = slots[m]; s < 0 or s >= S: out = base.
+
+Both strategies (LUT, expand-then-FMA) forced through ``expand_rows`` and the default choice;
+every slot layout (one slot, all base, mixed, unsorted runs, a slot no row uses); per-matrix and
+per-column α; group sizes 64, 128, 16 and a tiny single group; K not a multiple of 8 or of the
+group, N not a multiple of 16 or 64, M = 1, 3, 17, 130, 513 (blocks of 4 and 6 rows, remainders,
+the thread pool); and the AVX2 and portable builds, which this machine's native build may skip.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bitdelta_jax.delta.format import group_k_for, pack, unpack_signs
+from pallas_kernels.delta_matmul import cpu, delta_matmul
+
+pytestmark = pytest.mark.skipif(
+  cpu.unavailable_reason() is not None, reason=str(cpu.unavailable_reason())
+)
+
+# f32 sums over K <= 1536 of O(1) terms in another order than float64; the same bound as
+# test_delta_matmul.py's ISA test.
+RTOL, ATOL = 1e-4, 1e-3
+N_SLOTS = 5
+ABSENT = 3  # a slot with a delta that no row uses
+STRATEGIES = {"lut": 1 << 30, "expand": 1, "default": 0}
+
+#   M,   K,    N, group_k asked, α
+CASES = [
+  (1, 576, 576, 128, "column"),  # SmolLM2 q/o: 64-row groups
+  (3, 1536, 130, 128, "matrix"),  # SmolLM2 down's K: 128-row groups; N % 16 != 0
+  (17, 200, 72, 128, "column"),  # K % 8 == 0 but not a group multiple: padded last group
+  (130, 576, 192, 64, "matrix"),  # SmolLM2 k/v
+  (513, 136, 40, 64, "column"),  # group 16 (group_k_for), many rows, N < 64
+  (17, 19, 7, 128, "matrix"),  # tiny K, not a multiple of 8: one group of 24 rows
+  (130, 300, 100, 128, "column"),  # K % 8 != 0 with several groups
+]
+
+
+def _layout(name: str, m: int, rng) -> np.ndarray:
+  if name == "one":
+    return np.full(m, 1, np.int32)
+  if name == "base":  # only base rows: negative and out of range
+    return rng.choice([-1, -7, N_SLOTS, 99], size=m).astype(np.int32)
+  if name == "mixed":  # every present slot, base rows, random order
+    return rng.choice([-1, 0, 1, 2, 4], size=m).astype(np.int32)
+  if name == "unsorted_runs":  # mostly one slot, others interleaved
+    s = np.full(m, 2, np.int32)
+    s[rng.random(m) < 0.3] = 4
+    s[::7] = -1
+    s[1::5] = 0
+    return s
+  raise ValueError(name)
+
+
+LAYOUTS = ("one", "base", "mixed", "unsorted_runs")
+
+
+def _bank(k: int, n: int, group_k: int, granularity: str, rng):
+  g = group_k_for(k, group_k)
+  packs = [
+    pack(rng.standard_normal((k, n)).astype(np.float32), granularity, g) for _ in range(N_SLOTS)
+  ]
+  bits = np.stack([p.bits for p in packs])
+  scale = np.stack([p.scale for p in packs]).astype(np.float32)
+  signs = np.stack([unpack_signs(p.bits, (k, n), g, np.float64) for p in packs])
+  return g, bits, scale, signs
+
+
+def _want(x, base, scale, signs, slots) -> np.ndarray:
+  want = base.astype(np.float64)
+  for i, s in enumerate(slots):
+    if 0 <= s < N_SLOTS:
+      want[i] += scale[s].astype(np.float64) * (x[i].astype(np.float64) @ signs[s])
+  return want
+
+
+def _call(x, bits, scale, slots, base, g, expand_rows, target=cpu._TARGET):
+  return np.asarray(
+    cpu.fused_call(
+      jnp.asarray(x),
+      jnp.asarray(bits),
+      jnp.asarray(scale),
+      jnp.asarray(slots),
+      jnp.asarray(base),
+      group_k=g,
+      target=target,
+      expand_rows=expand_rows,
+    )
+  )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-G{c[3]}-{c[4]}")
+def test_kernel_matches_numpy(case):
+  m, k, n, group_k, gran = case
+  rng = np.random.default_rng(m * 1000 + k + n)
+  g, bits, scale, signs = _bank(k, n, group_k, gran, rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  base = rng.standard_normal((m, n)).astype(np.float32)
+  for layout in LAYOUTS:
+    slots = _layout(layout, m, rng)
+    assert ABSENT not in slots
+    want = _want(x, base, scale, signs, slots)
+    for strategy, expand_rows in STRATEGIES.items():
+      got = _call(x, bits, scale, slots, base, g, expand_rows)
+      np.testing.assert_allclose(
+        got, want, rtol=RTOL, atol=ATOL, err_msg=f"{layout} {strategy} G{g}"
+      )
+      if layout == "base":
+        np.testing.assert_array_equal(got, base)  # base rows are copied, not recomputed
+
+
+def test_strategies_mix_in_one_call():
+  """A slot above the threshold (expand) beside slots below it (LUT) in one call."""
+  rng = np.random.default_rng(3)
+  m, k, n = 40, 576, 192
+  g, bits, scale, signs = _bank(k, n, 128, "column", rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  base = rng.standard_normal((m, n)).astype(np.float32)
+  slots = np.full(m, 1, np.int32)
+  slots[[3, 11, 29]] = 2
+  slots[[5, 6]] = 4
+  rng.shuffle(slots)
+  got = _call(x, bits, scale, slots, base, g, expand_rows=8)  # slot 1: 35 rows; others < 8
+  np.testing.assert_allclose(got, _want(x, base, scale, signs, slots), rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("strategy", ["lut", "expand"])
+def test_api_slot_zero_is_base_and_env_forces_strategy(strategy, monkeypatch):
+  """Through `delta_matmul(implementation="cpu")`: slot id 0 rows get the base product only;
+  ``$BITDELTA_CPU_EXPAND_ROWS`` picks the strategy (read when the call is traced)."""
+  monkeypatch.setenv("BITDELTA_CPU_EXPAND_ROWS", str(STRATEGIES[strategy]))
+  rng = np.random.default_rng(5)
+  m, k, n = 17, 576, 130
+  g, bits, scale, signs = _bank(k, n, 128, "column", rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  slot_ids = rng.choice([0, 1, 2, 4], size=m).astype(np.int32)
+  got = jax.jit(lambda *a: delta_matmul(*a, group_k=g, implementation="cpu"))(
+    jnp.asarray(x), jnp.asarray(w), jnp.asarray(bits), jnp.asarray(scale), jnp.asarray(slot_ids)
+  )
+  base = x.astype(np.float64) @ w.astype(np.float64)
+  want = _want(x, base, scale, signs, np.where(slot_ids == 0, -1, slot_ids))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL)
+
+
+def _cpu_has(flag: str) -> bool:
+  try:
+    return flag in open("/proc/cpuinfo").read().split()
+  except OSError:
+    return False
+
+
+_ISA_BUILDS = [(("-march=native", "-mno-avx512f"), 2, "avx2"), ((), 0, "portable")]
+
+
+@pytest.mark.parametrize("arch,tile,label", _ISA_BUILDS, ids=[b[2] for b in _ISA_BUILDS])
+def test_other_builds_match_numpy(arch, tile, label):
+  """The AVX2 and portable builds, both strategies, on a subset of the cases."""
+  if label == "avx2" and not (_cpu_has("avx2") and _cpu_has("fma")):
+    pytest.skip("this CPU has no AVX2/FMA")
+  target = f"bitdelta_delta_matmul_cpu_test_{label}"
+  assert cpu.build_target(arch, target) == tile
+  for m, k, n, group_k, gran in (CASES[1], CASES[2], CASES[4], CASES[5]):
+    rng = np.random.default_rng(m + k + n)
+    g, bits, scale, signs = _bank(k, n, group_k, gran, rng)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    base = rng.standard_normal((m, n)).astype(np.float32)
+    slots = _layout("mixed", m, rng)
+    want = _want(x, base, scale, signs, slots)
+    for strategy in ("lut", "expand"):
+      got = _call(x, bits, scale, slots, base, g, STRATEGIES[strategy], target)
+      np.testing.assert_allclose(
+        got, want, rtol=RTOL, atol=ATOL, err_msg=f"{label} {strategy} {m}x{k}x{n}"
+      )
