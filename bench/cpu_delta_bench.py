@@ -94,10 +94,16 @@ def _fns(g: int) -> dict:
   def with_base(kernel, **kw):
     return jax.jit(lambda x, w, b, s, sl: kernel(x, b, s, sl, jnp.dot(x, w), group_k=g, **kw))
 
+  def after(x, w, b, s, sl):  # as `cpu.delta_matmul_cpu`, with jnp.dot as the base for few rows
+    if x.shape[0] >= cpu.MERGED_MIN_ROWS:
+      return cpu.merged_call(x, w, b, s, sl, group_k=g)
+    return cpu.fused_call(x, b, s, sl, jnp.dot(x, w), group_k=g)
+
   return {
     "base": jax.jit(lambda x, w, b, s, sl: jnp.dot(x, w)),
     "before": with_base(_before_call),
-    "after": with_base(cpu.fused_call),
+    "after": jax.jit(after),
+    "merged": jax.jit(lambda x, w, b, s, sl: cpu.merged_call(x, w, b, s, sl, group_k=g)),
     "lut": with_base(cpu.fused_call, expand_rows=1 << 30),
     "expand": with_base(cpu.fused_call, expand_rows=1),
   }
@@ -136,7 +142,7 @@ def bench(rows, rounds: int) -> list[dict]:
       args = (x, w, bits, scale)
       calls = {"base": lambda f=fns["base"], a=args, sl=layouts["one"]: f(*a, sl)}
       for lay, sl in layouts.items():
-        for name in ("before", "after", "lut", "expand"):
+        for name in ("before", "after", "merged", "lut", "expand"):
           calls[f"{name}_{lay}"] = lambda f=fns[name], a=args, sl=sl: f(*a, sl)
       t = _interleaved(calls, rounds)
       row = {
@@ -179,7 +185,16 @@ def write(rows, totals, meta, out: pathlib.Path):
   (out / "cpu_delta.json").write_text(
     json.dumps({"meta": meta, "rows": rows, "layer_totals": totals}, indent=1)
   )
-  cols = ["before_one", "after_one", "lut_one", "expand_one", "before_mixed", "after_mixed"]
+  cols = [
+    "before_one",
+    "after_one",
+    "merged_one",
+    "lut_one",
+    "expand_one",
+    "before_mixed",
+    "after_mixed",
+    "merged_mixed",
+  ]
   lines = [
     "# CPU 1-bit delta kernel on SmolLM2-135M shapes (f32)",
     "",
@@ -190,9 +205,10 @@ def write(rows, totals, meta, out: pathlib.Path):
     f"{meta['rounds']} rounds, medians).",
     "",
     f"Ratio = (jnp.dot + delta kernel) / jnp.dot alone, so 1.00 is a free delta. *before*: the "
-    f"kernel at commit {meta['before']}; *after*: this tree's default choice "
-    "(`kExpandRowsDefault` in cpu_kernel.cc); *lut* / *expand*: this tree forced to one "
-    "strategy. *one*: every row in slot 1 of a 4-slot bank; *mixed*: rows spread over slots 1-3.",
+    f"kernel at commit {meta['before']}; *after*: what `delta_matmul_cpu` runs in this "
+    "tree (jnp.dot + the delta kernel below `MERGED_MIN_ROWS` rows, else the merged kernel that "
+    "does the base GEMM too); *merged*: the merged kernel at every M; *lut* / *expand*: "
+    "jnp.dot + this tree's delta kernel forced to one strategy. *one*: every row in slot 1 of a 4-slot bank; *mixed*: rows spread over slots 1-3.",
     "",
     "## One decoder layer (7 matrices; q/o, k/v, gate/up share timings)",
     "",

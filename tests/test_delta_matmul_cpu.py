@@ -2,7 +2,9 @@
 
     out[m] = base[m] + α[s] ⊙ (x[m] · S_s),  s = slots[m]; s < 0 or s >= S: out = base.
 
-Both strategies (LUT, expand-then-FMA) forced through ``expand_rows`` and the default choice;
+Both strategies (LUT, expand-then-FMA) forced through ``expand_rows`` and the default choice,
+and the merged entry point (`cpu.merged_call`: base GEMM in the kernel, W_base + α·S panels for
+big slots, LUT on top for small ones), which `delta_matmul_cpu` takes for many f32 rows;
 every slot layout (one slot, all base, mixed, unsorted runs, a slot no row uses); per-matrix and
 per-column α; group sizes 64, 128, 16 and a tiny single group; K not a multiple of 8 or of the
 group, N not a multiple of 16 or 64, M = 1, 3, 17, 130, 513 (blocks of 4 and 6 rows, remainders,
@@ -115,6 +117,34 @@ def test_kernel_matches_numpy(case):
         np.testing.assert_array_equal(got, base)  # base rows are copied, not recomputed
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}-G{c[3]}-{c[4]}")
+def test_merged_matches_numpy(case):
+  m, k, n, group_k, gran = case
+  rng = np.random.default_rng(m * 1000 + k + n + 1)
+  g, bits, scale, signs = _bank(k, n, group_k, gran, rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  base = x.astype(np.float64) @ w.astype(np.float64)
+  for layout in LAYOUTS:
+    slots = _layout(layout, m, rng)
+    want = _want(x, base, scale, signs, slots)
+    for strategy, expand_rows in {**STRATEGIES, "split": max(2, m // 3)}.items():
+      got = np.asarray(
+        cpu.merged_call(
+          jnp.asarray(x),
+          jnp.asarray(w),
+          jnp.asarray(bits),
+          jnp.asarray(scale),
+          jnp.asarray(slots),
+          group_k=g,
+          expand_rows=expand_rows,
+        )
+      )
+      np.testing.assert_allclose(
+        got, want, rtol=RTOL, atol=ATOL, err_msg=f"merged {layout} {strategy} G{g}"
+      )
+
+
 def test_strategies_mix_in_one_call():
   """A slot above the threshold (expand) beside slots below it (LUT) in one call."""
   rng = np.random.default_rng(3)
@@ -130,13 +160,15 @@ def test_strategies_mix_in_one_call():
   np.testing.assert_allclose(got, _want(x, base, scale, signs, slots), rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("m", [17, cpu.MERGED_MIN_ROWS + 3])
 @pytest.mark.parametrize("strategy", ["lut", "expand"])
-def test_api_slot_zero_is_base_and_env_forces_strategy(strategy, monkeypatch):
-  """Through `delta_matmul(implementation="cpu")`: slot id 0 rows get the base product only;
+def test_api_slot_zero_is_base_and_env_forces_strategy(strategy, m, monkeypatch):
+  """Through `delta_matmul(implementation="cpu")` (few rows: XLA's GEMM + the delta kernel;
+  from MERGED_MIN_ROWS: the merged kernel): slot id 0 rows get the base product only;
   ``$BITDELTA_CPU_EXPAND_ROWS`` picks the strategy (read when the call is traced)."""
   monkeypatch.setenv("BITDELTA_CPU_EXPAND_ROWS", str(STRATEGIES[strategy]))
   rng = np.random.default_rng(5)
-  m, k, n = 17, 576, 130
+  k, n = 576, 130
   g, bits, scale, signs = _bank(k, n, 128, "column", rng)
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = rng.standard_normal((k, n)).astype(np.float32)
@@ -173,8 +205,25 @@ def test_other_builds_match_numpy(arch, tile, label):
     base = rng.standard_normal((m, n)).astype(np.float32)
     slots = _layout("mixed", m, rng)
     want = _want(x, base, scale, signs, slots)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    want_merged = _want(x, x.astype(np.float64) @ w.astype(np.float64), scale, signs, slots)
     for strategy in ("lut", "expand"):
       got = _call(x, bits, scale, slots, base, g, STRATEGIES[strategy], target)
       np.testing.assert_allclose(
         got, want, rtol=RTOL, atol=ATOL, err_msg=f"{label} {strategy} {m}x{k}x{n}"
+      )
+      got = np.asarray(
+        cpu.merged_call(
+          jnp.asarray(x),
+          jnp.asarray(w),
+          jnp.asarray(bits),
+          jnp.asarray(scale),
+          jnp.asarray(slots),
+          group_k=g,
+          target=target + "_merged",
+          expand_rows=STRATEGIES[strategy],
+        )
+      )
+      np.testing.assert_allclose(
+        got, want_merged, rtol=RTOL, atol=ATOL, err_msg=f"{label} merged {strategy} {m}x{k}x{n}"
       )

@@ -55,6 +55,12 @@ def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str
   )
 
 
+_MERGED_TARGET = "bitdelta_delta_matmul_merged"
+# f32 rows from which `delta_matmul_cpu` computes the whole product in the kernel
+# (`merged_call`) instead of XLA's GEMM + the delta kernel (bench/results/cpu_delta.md).
+MERGED_MIN_ROWS = 32
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
   """Builds (once per machine and source version) and registers the kernel."""
@@ -62,6 +68,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
   if lib is None:
     return None, f"the CPU delta kernel cannot be built: {reason}"
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
+  jax.ffi.register_ffi_target(
+    _MERGED_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
+  )
   return lib, None
 
 
@@ -74,12 +83,16 @@ def isa() -> int | None:
 def build_target(arch: tuple[str, ...], target: str) -> int:
   """Builds the kernel with target flags ``arch`` (e.g. ``("-march=native", "-mno-avx512f")``
   for the AVX2 tile on an AVX-512 machine, ``()`` for the portable loop) and registers it as
-  FFI target ``target`` (pass it to `fused_call`); returns the tile it runs. For tests of the
-  paths this machine's native build does not take."""
+  FFI target ``target`` (pass it to `fused_call`; its merged entry as ``target + "_merged"``
+  for `merged_call`); returns the tile it runs. For tests of the paths this machine's native
+  build does not take."""
   lib, reason = _build(arch)
   if lib is None:
     raise RuntimeError(f"the CPU delta kernel cannot be built with {arch}: {reason}")
   jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
+  jax.ffi.register_ffi_target(
+    target + "_merged", jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
+  )
   return int(lib.BitdeltaDeltaMatmulIsa())
 
 
@@ -142,6 +155,39 @@ def fused_call(
   )
 
 
+def merged_call(
+  x,
+  w_base,
+  bits,
+  scale,
+  slots,
+  *,
+  group_k: int,
+  target: str = _MERGED_TARGET,
+  expand_rows: int | None = None,
+) -> jax.Array:
+  """``x·W_base + α ⊙ (x·S)`` per row, f32 ``[M, N]``, base GEMM included (many f32 rows):
+  rows of a slot with at least ``expand_rows`` rows run over ``W_base + α ⊙ S`` expanded per
+  panel, others over ``W_base`` (small slots then add their delta by the LUT). ``expand_rows``
+  None: `expand_rows_default` (0: the kernel's default, 8)."""
+  if expand_rows is None:
+    expand_rows = expand_rows_default()
+  call = jax.ffi.ffi_call(
+    target,
+    jax.ShapeDtypeStruct((x.shape[0], w_base.shape[1]), jnp.float32),
+    vmap_method="sequential",
+  )
+  return call(
+    x.astype(jnp.float32),
+    w_base.astype(jnp.float32),
+    bits.astype(jnp.uint8),
+    scale.astype(jnp.float32),
+    slots.astype(jnp.int32),
+    group_k=np.int64(group_k),
+    expand_rows=np.int64(expand_rows),
+  )
+
+
 def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> jax.Array:
   """y = x·W_base + α ⊙ (x·S); see `api.delta_matmul`. ``group_k`` is the group size in use."""
   reason = unavailable_reason() or shapes_supported(
@@ -155,6 +201,9 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
   else:
     bank, scales = bits, scale
     slots = jnp.where(slot_ids == 0, -1, slot_ids).astype(jnp.int32)  # slot 0: base only
+  f32 = x.dtype == w_base.dtype == jnp.float32
+  if f32 and x.shape[0] >= MERGED_MIN_ROWS and os.environ.get("BITDELTA_CPU_MERGED") != "0":
+    return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
   from pallas_kernels.small_matmul.cpu import small_matmul, usable
 
   if usable(x.shape[0], x.dtype, w_base.dtype):

@@ -63,6 +63,8 @@ constexpr int64_t kExpandRowsDefault = int64_t(1) << 40;
 #else
 constexpr int64_t kExpandRowsDefault = 48;
 #endif
+// Merged calls: a slot with this many rows gets its own W_base + alpha * S panel; fewer, the LUT.
+constexpr int64_t kMergeRowsDefault = 8;
 // Vector operations (about cycles) below which one thread does everything: waking the pool
 // costs ~5-10 us.
 constexpr int64_t kMinWorkPerThread = int64_t(1) << 16;
@@ -73,6 +75,7 @@ struct Problem {
   const float* scale;    // [S, C]
   const float* base;     // [M, N]
   float* out;            // [M, N] (may alias base)
+  const float* w;        // [K, N] W_base, merged calls only (else null)
   int64_t M, K, N, R, G, C, S;
 };
 
@@ -353,9 +356,10 @@ void RunLut(const Problem& p, int64_t s, const int32_t* rows, int64_t nrows, int
 
 // --- expand-then-FMA strategy -------------------------------------------------------------------
 
-// panel[k * kPanel + c] = S[k, n0 + c] (+-1.0) for k < K, c < ncols (columns past N: unused).
-void ExpandPanel(const Problem& p, const uint8_t* bits_s, int64_t n0, int64_t ncols,
-                 float* panel) {
+// panel[k * kPanel + c] = S[k, n0 + c] (+-1.0) for k < K, c < ncols (columns past N: unused);
+// with `merged`, W_base[k, n0 + c] + alpha[n0 + c] * S[k, n0 + c] instead.
+void ExpandPanel(const Problem& p, const uint8_t* bits_s, const float* scale_s, bool merged,
+                 int64_t n0, int64_t ncols, float* panel) {
   const int64_t P = p.G / 8;
   for (int64_t r = 0; r < p.R; ++r) {
     const uint8_t* b = bits_s + r * p.N + n0;
@@ -365,12 +369,17 @@ void ExpandPanel(const Problem& p, const uint8_t* bits_s, int64_t n0, int64_t nc
       const int64_t left = ncols - c;
       const __mmask16 lm = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
       const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(lm, b + c));
+      const __m512 plus = !merged ? _mm512_set1_ps(1.0f)
+                          : p.C == 1 ? _mm512_set1_ps(scale_s[0])
+                                     : _mm512_maskz_loadu_ps(lm, scale_s + n0 + c);
+      const __m512 minus = _mm512_sub_ps(_mm512_setzero_ps(), plus);
       for (int j = 0; j < 8; ++j) {
         const int64_t k = k0 + j * P;
         if (k >= p.K) break;
         const __mmask16 set = _mm512_test_epi32_mask(v, _mm512_set1_epi32(1 << j));
-        _mm512_storeu_ps(panel + k * kPanel + c,
-                         _mm512_mask_blend_ps(set, _mm512_set1_ps(-1.0f), _mm512_set1_ps(1.0f)));
+        __m512 e = _mm512_mask_blend_ps(set, minus, plus);
+        if (merged) e = _mm512_add_ps(_mm512_maskz_loadu_ps(lm, p.w + k * p.N + n0 + c), e);
+        _mm512_storeu_ps(panel + k * kPanel + c, e);
       }
     }
 #else
@@ -378,24 +387,27 @@ void ExpandPanel(const Problem& p, const uint8_t* bits_s, int64_t n0, int64_t nc
       const int64_t k = k0 + j * P;
       if (k >= p.K) break;
       float* dst = panel + k * kPanel;
-      for (int64_t c = 0; c < ncols; ++c) dst[c] = (b[c] >> j) & 1 ? 1.0f : -1.0f;
+      for (int64_t c = 0; c < ncols; ++c) {
+        const float a = !merged ? 1.0f : p.C == 1 ? scale_s[0] : scale_s[n0 + c];
+        dst[c] = ((b[c] >> j) & 1 ? a : -a) + (merged ? p.w[k * p.N + n0 + c] : 0.0f);
+      }
     }
 #endif
   }
 }
 
 #ifdef BD_AVX512
-// acc[m][q] = x[rows[m]] . panel[:, 16q : 16q + 16]; kMr x 4 zmm accumulators, then epilogue.
+// acc[m][q] = x[rows[m]] . w[:, 16q : 16q + 16] (rows of w `ld` floats apart, 64 readable);
+// MR x 4 zmm accumulators. Epilogue: out = base + alpha * acc, or out = acc if scale_s is null.
 template <int MR>
-void FmaBlock(const Problem& p, const float* panel, const float* scale_s, const int32_t* rows,
-              int64_t n0, int64_t ncols) {
+void FmaBlock(const Problem& p, const float* w, int64_t ld, const float* scale_s,
+              const int32_t* rows, int64_t n0, int64_t ncols) {
   const float* xr[MR];
   for (int m = 0; m < MR; ++m) xr[m] = p.x + int64_t(rows[m]) * p.K;
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int q = 0; q < 4; ++q) acc[m][q] = _mm512_setzero_ps();
-  const float* w = panel;
-  for (int64_t k = 0; k < p.K; ++k, w += kPanel) {
+  for (int64_t k = 0; k < p.K; ++k, w += ld) {
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
     for (int m = 0; m < MR; ++m) {
@@ -411,6 +423,10 @@ void FmaBlock(const Problem& p, const float* panel, const float* scale_s, const 
     if (left <= 0) break;
     const __mmask16 lm = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     const int64_t c = n0 + 16 * q;
+    if (!scale_s) {
+      for (int m = 0; m < MR; ++m) _mm512_mask_storeu_ps(p.out + rows[m] * p.N + c, lm, acc[m][q]);
+      continue;
+    }
     const __m512 alpha = p.C == 1 ? _mm512_set1_ps(scale_s[0])
                                   : _mm512_maskz_loadu_ps(lm, scale_s + c);
     for (int m = 0; m < MR; ++m) {
@@ -423,38 +439,47 @@ void FmaBlock(const Problem& p, const float* panel, const float* scale_s, const 
 #endif
 
 // Portable (and AVX2: the compiler vectorises the column loop) block of up to kMr rows.
-void FmaBlockGeneric(const Problem& p, const float* panel, const float* scale_s,
+void FmaBlockGeneric(const Problem& p, const float* panel, int64_t ld, const float* scale_s,
                      const int32_t* rows, int nrows, int64_t n0, int64_t ncols) {
   for (int m = 0; m < nrows; ++m) {
     const float* x = p.x + int64_t(rows[m]) * p.K;
     float acc[kPanel] = {};
     for (int64_t k = 0; k < p.K; ++k) {
       const float xk = x[k];
-      const float* w = panel + k * kPanel;
+      const float* w = panel + k * ld;
       for (int c = 0; c < kPanel; ++c) acc[c] += xk * w[c];
     }
     for (int64_t c = 0; c < ncols; ++c) {
       const int64_t n = n0 + c, o = int64_t(rows[m]) * p.N + n;
-      const float alpha = p.C == 1 ? scale_s[0] : scale_s[n];
-      p.out[o] = p.base[o] + alpha * acc[c];
+      if (!scale_s) {
+        p.out[o] = acc[c];
+      } else {
+        const float alpha = p.C == 1 ? scale_s[0] : scale_s[n];
+        p.out[o] = p.base[o] + alpha * acc[c];
+      }
     }
   }
 }
 
-void FmaRows(const Problem& p, const float* panel, const float* scale_s, const int32_t* rows,
-             int nrows, int64_t n0, int64_t ncols) {
+// Rows [rows, rows + nrows) over a panel, kMr rows at a time.
+void FmaRows(const Problem& p, const float* w, int64_t ld, const float* scale_s,
+             const int32_t* rows, int64_t nrows, int64_t n0, int64_t ncols) {
+  for (int64_t r0 = 0; r0 < nrows; r0 += kMr) {
+    const int nb = int(std::min<int64_t>(kMr, nrows - r0));
+    const int32_t* rr = rows + r0;
 #ifdef BD_AVX512
-  switch (nrows) {
-    case 1: return FmaBlock<1>(p, panel, scale_s, rows, n0, ncols);
-    case 2: return FmaBlock<2>(p, panel, scale_s, rows, n0, ncols);
-    case 3: return FmaBlock<3>(p, panel, scale_s, rows, n0, ncols);
-    case 4: return FmaBlock<4>(p, panel, scale_s, rows, n0, ncols);
-    case 5: return FmaBlock<5>(p, panel, scale_s, rows, n0, ncols);
-    default: return FmaBlock<6>(p, panel, scale_s, rows, n0, ncols);
-  }
+    switch (nb) {
+      case 1: FmaBlock<1>(p, w, ld, scale_s, rr, n0, ncols); break;
+      case 2: FmaBlock<2>(p, w, ld, scale_s, rr, n0, ncols); break;
+      case 3: FmaBlock<3>(p, w, ld, scale_s, rr, n0, ncols); break;
+      case 4: FmaBlock<4>(p, w, ld, scale_s, rr, n0, ncols); break;
+      case 5: FmaBlock<5>(p, w, ld, scale_s, rr, n0, ncols); break;
+      default: FmaBlock<6>(p, w, ld, scale_s, rr, n0, ncols); break;
+    }
 #else
-  FmaBlockGeneric(p, panel, scale_s, rows, nrows, n0, ncols);
+    FmaBlockGeneric(p, w, ld, scale_s, rr, nb, n0, ncols);
 #endif
+  }
 }
 
 // Rows [rows, rows + nrows) of slot s over columns [c0, c1) (multiples of kPanel but c1).
@@ -467,10 +492,8 @@ void RunExpand(const Problem& p, int64_t s, const int32_t* rows, int64_t nrows, 
   const float* scale_s = p.scale + s * p.C;
   for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
     const int64_t ncols = std::min<int64_t>(c1 - n0, kPanel);
-    ExpandPanel(p, bits_s, n0, ncols, panel.data());
-    for (int64_t r0 = 0; r0 < nrows; r0 += kMr)
-      FmaRows(p, panel.data(), scale_s, rows + r0, int(std::min<int64_t>(kMr, nrows - r0)), n0,
-              ncols);
+    ExpandPanel(p, bits_s, scale_s, false, n0, ncols, panel.data());
+    FmaRows(p, panel.data(), kPanel, scale_s, rows, nrows, n0, ncols);
   }
 }
 
@@ -522,7 +545,7 @@ ffi::Error DeltaMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> bits,
   auto sd = scale.dimensions();
   if (xd.size() != 2 || bd.size() != 3 || sd.size() != 2)
     return ffi::Error::InvalidArgument("delta_matmul: expected x[M,K], bits[S,R,N], scale[S,C]");
-  Problem p;
+  Problem p{};
   p.M = xd[0]; p.K = xd[1]; p.S = bd[0]; p.R = bd[1]; p.N = bd[2]; p.C = sd[1]; p.G = group_k;
   if (group_k <= 0 || group_k % 8 || (p.R * 8) % group_k || p.R * 8 < p.K || sd[0] != p.S ||
       (p.C != 1 && p.C != p.N) || int64_t(slots.element_count()) != p.M ||
@@ -579,6 +602,106 @@ ffi::Error DeltaMatmulImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> bits,
   return ffi::Error::Success();
 }
 
+// --- merged: y = x . W_base + alpha * (x . S) in one pass (many f32 rows) ---------------------
+//
+// For many rows the delta term costs as many FMAs as the base GEMM (LUT: half as many cycles at
+// best), so adding it to XLA's GEMM cannot be cheap. Instead this entry point does the base GEMM
+// too: per 64-column panel, rows of a slot with >= expand_rows rows run over W_base + alpha * S
+// (expanded once per panel), the other rows over W_base itself, and those of small slots then
+// add their delta from the LUT. The delta then costs the panel expansions (and LUT rows) only.
+
+struct MergedPlan {
+  std::vector<int32_t> plain;  // base-only rows: x . W_base
+  std::vector<std::pair<int64_t, std::vector<int32_t>>> merged, lut;  // (slot, rows)
+};
+
+// Part `part` of `parts` of every row list, over columns [c0, c1) (c0 a multiple of kPanel).
+void RunMerged(const Problem& p, const MergedPlan& plan, int part, int parts, int64_t c0,
+               int64_t c1) {
+  thread_local std::vector<float> panel, wpad;
+  panel.resize(size_t(p.K) * kPanel);
+  auto slice = [&](const std::vector<int32_t>& v, int64_t* n) {
+    const int64_t b = int64_t(v.size()) * part / parts, e = int64_t(v.size()) * (part + 1) / parts;
+    *n = e - b;
+    return v.data() + b;
+  };
+  int64_t n;
+  for (int64_t n0 = c0; n0 < c1; n0 += kPanel) {
+    const int64_t ncols = std::min<int64_t>(c1 - n0, kPanel);
+    const float* w = p.w + n0;
+    int64_t ld = p.N;
+    if (ncols < kPanel) {  // the micro-kernel reads 64 columns: a zero-padded copy
+      wpad.resize(size_t(p.K) * kPanel);
+      for (int64_t k = 0; k < p.K; ++k) {
+        std::memcpy(wpad.data() + k * kPanel, p.w + k * p.N + n0, sizeof(float) * ncols);
+        std::memset(wpad.data() + k * kPanel + ncols, 0, sizeof(float) * (kPanel - ncols));
+      }
+      w = wpad.data(), ld = kPanel;
+    }
+    const int32_t* rows = slice(plan.plain, &n);
+    if (n) FmaRows(p, w, ld, nullptr, rows, n, n0, ncols);
+    for (const auto& [s, all] : plan.lut) {  // their delta is added below
+      rows = slice(all, &n);
+      if (n) FmaRows(p, w, ld, nullptr, rows, n, n0, ncols);
+    }
+    for (const auto& [s, all] : plan.merged) {
+      rows = slice(all, &n);
+      if (!n) continue;
+      ExpandPanel(p, p.bits + s * p.R * p.N, p.scale + s * p.C, true, n0, ncols, panel.data());
+      FmaRows(p, panel.data(), kPanel, nullptr, rows, n, n0, ncols);
+    }
+  }
+  for (const auto& [s, all] : plan.lut) {  // p.base == p.out: adds to x . W_base written above
+    const int32_t* rows = slice(all, &n);
+    if (n) RunLut(p, s, rows, n, c0, c1);
+  }
+}
+
+ffi::Error MergedImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::U8> bits,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> slots,
+                      ffi::ResultBuffer<ffi::F32> out, int64_t group_k, int64_t expand_rows) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto bd = bits.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || bd.size() != 3 || sd.size() != 2)
+    return ffi::Error::InvalidArgument("delta_matmul: expected x[M,K], w[K,N], bits[S,R,N], "
+                                       "scale[S,C]");
+  Problem p{};
+  p.M = xd[0]; p.K = xd[1]; p.S = bd[0]; p.R = bd[1]; p.N = bd[2]; p.C = sd[1]; p.G = group_k;
+  if (group_k <= 0 || group_k % 8 || (p.R * 8) % group_k || p.R * 8 < p.K || sd[0] != p.S ||
+      (p.C != 1 && p.C != p.N) || int64_t(slots.element_count()) != p.M || wd[0] != p.K ||
+      wd[1] != p.N)
+    return ffi::Error::InvalidArgument("delta_matmul: inconsistent shapes");
+  p.x = x.typed_data(); p.w = w.typed_data(); p.bits = bits.typed_data();
+  p.scale = scale.typed_data(); p.out = out->typed_data(); p.base = p.out;
+  const int32_t* slot = slots.typed_data();
+  if (expand_rows <= 0) expand_rows = kMergeRowsDefault;
+
+  std::vector<std::vector<int32_t>> by_slot(p.S);
+  MergedPlan plan;
+  for (int64_t m = 0; m < p.M; ++m)
+    (slot[m] >= 0 && slot[m] < p.S ? by_slot[slot[m]] : plan.plain).push_back(int32_t(m));
+  for (int64_t s = 0; s < p.S; ++s) {
+    auto& rows = by_slot[s];
+    if (rows.empty()) continue;
+    (int64_t(rows.size()) >= expand_rows ? plan.merged : plan.lut).emplace_back(s, std::move(rows));
+  }
+
+  Pool& pool = Pool::get();
+  const int64_t panels = (p.N + kPanel - 1) / kPanel;
+  const int threads = int(std::max<int64_t>(1, std::min<int64_t>(
+    pool.size(), p.M * p.K * ((p.N + 15) / 16) / kMinWorkPerThread)));
+  const int64_t chunks = std::min<int64_t>(panels, 4 * threads);
+  const int parts = threads == 1 || panels >= 2 * threads ? 1 : int((2 * threads + panels - 1) / panels);
+  pool.run([&](int i) {
+    const int64_t c = i / parts;
+    RunMerged(p, plan, i % parts, parts, panels * c / chunks * kPanel,
+              std::min(p.N, panels * (c + 1) / chunks * kPanel));
+  }, int(chunks * parts));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 // Which tile this build runs: 512 (AVX-512), 2 (AVX2), 0 (portable loop).
@@ -602,3 +725,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaMatmul, DeltaMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N]
                                   .Attr<int64_t>("group_k")
                                   .Attr<int64_t>("expand_rows"));  // <= 0: kernel default
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaMatmulMerged, MergedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // w_base [K, N]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // bits [S, R, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale [S, C]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // slots [M]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // out [M, N]
+                                  .Attr<int64_t>("group_k")
+                                  .Attr<int64_t>("expand_rows"));  // <= 0: kMergeRowsDefault
