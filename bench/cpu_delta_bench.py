@@ -200,7 +200,7 @@ def write(rows, totals, meta, out: pathlib.Path):
     "",
     f"Machine: {meta['machine'].get('cpu')}, {meta['machine'].get('cores')} cores, flags "
     f"{meta['machine'].get('cpu_flags')}, jax {meta['machine'].get('jax')}. **The machine was "
-    f"loaded** (another CPU-heavy job; load average {meta['loadavg']} at the start): absolute "
+    f"loaded** (another CPU-heavy job; load average {meta['loadavg']:.1f} at the start): absolute "
     "times are noisy, ratios come from interleaved rounds (one call of each function per round, "
     f"{meta['rounds']} rounds, medians).",
     "",
