@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bitdelta_jax.zoo.recipe import norm_ratios  # noqa: F401 (this module's API)
 from bitdelta_jax.zoo.tasks import TASKS, Task
 
 SYSTEM = "Answer with the result only."
@@ -237,23 +238,6 @@ def calibration_ids(tokenizer, name: str, n: int = 256) -> np.ndarray:
 
 def heldout(name: str, n: int) -> list[tuple[str, str]]:
   return TASKS[VARIANTS[name].task].heldout(n)
-
-
-def norm_ratios(base_dir, ft_dir) -> dict[str, float]:
-  """‖Δ‖/‖W‖ per layer type (q/k/v/o, gate/up/down, norms, embeddings), over all layers."""
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
-
-  num: dict[str, float] = {}
-  den: dict[str, float] = {}
-  with CheckpointReader(base_dir) as b, CheckpointReader(ft_dir) as f:
-    for n in f.names():
-      kind = n.split(".")[-2] if n.endswith(".weight") else n
-      if "embed_tokens" in n:
-        kind = "embed_tokens"
-      w, d = b.read(n).astype(np.float64), f.read(n).astype(np.float64) - b.read(n)
-      num[kind] = num.get(kind, 0.0) + float(np.sum(d * d))
-      den[kind] = den.get(kind, 0.0) + float(np.sum(w * w))
-  return {k: float(np.sqrt(num[k] / den[k])) for k in sorted(num)}
 
 
 def build_real_family(out_dir, *, recipe: RealRecipe = RealRecipe(), distill_steps: int = 16,

@@ -1,9 +1,11 @@
 """`bitdelta zoo build`: the deterministic recipe of the built-in model family.
 
-1. Pre-train a tiny Llama-architecture base (`nano`) on the standard library's sources.
+1. Pre-train a tiny Llama-architecture base (`nano`) on the standard library's sources, the
+   variants' tasks as plain text and a few general skills as chat exchanges (an "instruct" base).
 2. Fine-tune one variant per task (`nano-math`, `nano-reverse`, ...) from the bf16 base with a
-   small learning rate; embeddings and LM head stay frozen, so a variant differs from the base
-   only in its linear layers and norms (which BitDelta and the slot banks carry).
+   small learning rate, in the chat format; embeddings and LM head stay frozen, so a variant
+   differs from the base only in its linear layers and norms (which BitDelta and the slot banks
+   carry), by ~3% of their norm.
 3. Save the base (bf16, HF format, byte-level tokenizer, chat template); save each full
    fine-tune (f32, HF format) in the cache; compress each into a 1-bit delta and distil its
    scales.
@@ -51,18 +53,21 @@ class ZooConfig:
   pretrain_batch: int = 16
   pretrain_seq: int = 128
   pretrain_lr: float = 3e-3
-  finetune_steps: int = 500
+  # A real fine-tune's settings (Adam, warm-up then cosine decay to 10%) at a learning rate that
+  # moves the linear weights by ~3% (‖Δ‖/‖W‖; the old 3e-4 moved them 11-22%), within 2x of
+  # real fine-tunes (0.2-2%): lower rates or fewer steps leave the tasks half-learned here.
+  finetune_steps: int = 1000
   finetune_batch: int = 32
   finetune_seq: int = 40
-  finetune_lr: float = 3e-4
+  finetune_lr: float = 1.5e-5
   n_eval: int = 256
   text_every: int = 4  # one pre-training batch in this many is stdlib text, the rest task lines
-  base_skills: int = 0  # how many of `BASE_SKILLS` the base also sees
+  base_skills: int = 6  # how many of `BASE_SKILLS` the base sees as chat exchanges
   # The two hardest tasks (they need carries / a lookup) get twice the pre-training lines and
   # twice the fine-tuning steps.
   pretrain_task_weights: tuple[tuple[str, int], ...] = (("nano-math", 2), ("nano-recall", 2))
-  finetune_steps_override: tuple[tuple[str, int], ...] = (("nano-math", 1000),
-                                                          ("nano-recall", 1000))
+  finetune_steps_override: tuple[tuple[str, int], ...] = (("nano-math", 2000),
+                                                          ("nano-recall", 2000))
   tasks: tuple[str, ...] = tuple(TASKS)
   seed: int = 0
 
@@ -94,21 +99,24 @@ def _task_batches(task, batch: int, seq: int, seed: int) -> Iterator[tuple[np.nd
 
 
 def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-  """Alternates stdlib text windows with rows of plain-text task lines.
+  """Alternates stdlib text windows with rows of task lines.
 
-  The task lines (``reverse abc = cba<eos>``) cover the general skills and the variants' tasks
-  in a plain format, as a real base model has seen such things in its corpus; the fine-tunes
-  then teach the chat format (``<|user|>reverse abc<|assistant|>cba<eos>``), which the base never
-  saw, so the base scores low on the held-out chat prompts and the deltas stay small.
+  The variants' tasks appear in plain text (``reverse abc = cba<eos>``), as a real base model
+  has seen such things in its corpus; the general skills of `BASE_SKILLS` appear as chat
+  exchanges (``<bos><|user|>echo abc<|assistant|>abc<eos>``), as an instruct base has been
+  tuned on such. A fine-tune then only has to connect a new instruction in the chat format,
+  which the base knows, to a skill it has, so the base scores low on the held-out chat prompts
+  and the deltas stay as small as real fine-tunes' (`ZooConfig.base_skills`).
   """
+  from bitdelta_jax.zoo.data import encode_example
   from bitdelta_jax.zoo.tasks import BASE_SKILLS
 
   ids = encode_bytes(stdlib_text())
   text = lm_batches(ids, cfg.pretrain_batch, cfg.pretrain_seq, cfg.seed)
   rng = random.Random(f"skills:{cfg.seed}")
   weights = dict(cfg.pretrain_task_weights)
-  tasks = [TASKS[n] for n in cfg.tasks for _ in range(weights.get(n, 1))]
-  tasks += list(BASE_SKILLS[: cfg.base_skills])
+  sources = [(TASKS[n], False) for n in cfg.tasks for _ in range(weights.get(n, 1))]
+  sources += [(t, True) for t in BASE_SKILLS[: cfg.base_skills]]
   width = cfg.pretrain_seq + 1
   step = 0
   while True:
@@ -120,12 +128,13 @@ def _pretrain_batches(cfg: ZooConfig) -> Iterator[tuple[np.ndarray, np.ndarray]]
     toks = np.full((cfg.pretrain_batch, width), PAD, np.int32)
     mask = np.zeros((cfg.pretrain_batch, width), np.float32)
     for row in range(cfg.pretrain_batch):
-      pos = 0
       toks[row, 0] = BOS
       pos = 1
       while True:
-        p, a = rng.choice(tasks).example(rng)
-        line = np.concatenate([encode_bytes(f"{p} = {a}".encode()), [EOS]])
+        task, chat = rng.choice(sources)
+        p, a = task.example(rng)
+        line = (encode_example(p, a)[0] if chat else
+                np.concatenate([encode_bytes(f"{p} = {a}".encode()), [EOS]]))
         if pos + len(line) > width:
           break
         toks[row, pos:pos + len(line)] = line
@@ -167,10 +176,11 @@ def finetune(base_dir: Path, task_name: str, cfg: ZooConfig, *, progress: bool =
   """Full fine-tune (embeddings / LM head frozen) of the bf16 base, computed in f32."""
   model = from_pretrained(base_dir, dtype=jnp.float32)
   task = TASKS[task_name]
-  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
-    {"train": optax.adam(optax.warmup_constant_schedule(0.0, cfg.finetune_lr, 20)),
-     "freeze": optax.set_to_zero()}, _labels))
   steps = dict(cfg.finetune_steps_override).get(task_name, cfg.finetune_steps)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.multi_transform(
+    {"train": optax.adam(optax.warmup_cosine_decay_schedule(
+       0.0, cfg.finetune_lr, 20, steps, cfg.finetune_lr / 10)),
+     "freeze": optax.set_to_zero()}, _labels))
   losses = train(model, _task_batches(task, cfg.finetune_batch, cfg.finetune_seq, cfg.seed),
                  steps, opt, desc=f"finetune {task_name}", progress=progress)
   return model, losses
@@ -188,6 +198,23 @@ def delta_norm_ratio(base_dir: Path, ft_dir: Path) -> float:
         num += float(np.sum((f.read(n).astype(np.float64) - wb) ** 2))
         den += float(np.sum(wb**2))
   return float(np.sqrt(num / den))
+
+
+def norm_ratios(base_dir, ft_dir) -> dict[str, float]:
+  """‖Δ‖/‖W‖ per layer type (q/k/v/o, gate/up/down, norms, embeddings), over all layers."""
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+
+  num: dict[str, float] = {}
+  den: dict[str, float] = {}
+  with CheckpointReader(base_dir) as b, CheckpointReader(ft_dir) as f:
+    for n in f.names():
+      kind = n.split(".")[-2] if n.endswith(".weight") else n
+      if "embed_tokens" in n:
+        kind = "embed_tokens"
+      w, d = b.read(n).astype(np.float64), f.read(n).astype(np.float64) - b.read(n)
+      num[kind] = num.get(kind, 0.0) + float(np.sum(d * d))
+      den[kind] = den.get(kind, 0.0) + float(np.sum(w * w))
+  return {k: float(np.sqrt(num[k] / den[k])) for k in sorted(num)}
 
 
 def finetune_cache_path(base_dir: Path, name: str, cfg: ZooConfig, cache_root: Path) -> Path:
