@@ -59,16 +59,20 @@ def delta_matmul_fn(implementation=None):
 
 
 def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
-  """``x · W`` for the base path: the CPU small-M kernel for a few f32 rows on one CPU device
-  (`pallas_kernels.small_matmul`), XLA's dot otherwise (and always under a sharded matmul)."""
+  """``x · W`` for the base path on one CPU device: the small-M kernels of
+  `pallas_kernels.small_matmul` (2-16 f32 rows; 1-64 rows of bf16 x and W), XLA's dot
+  otherwise (and always under a sharded matmul)."""
   b, t, k = x_BxTxK.shape
   if not callable(implementation) and jax.device_count() == 1:
     try:
-      from pallas_kernels.small_matmul.cpu import small_matmul, usable
+      from pallas_kernels.small_matmul import cpu as small
     except ImportError:
-      usable = None
-    if usable is not None and usable(b * t, x_BxTxK.dtype, kernel.dtype):
-      return small_matmul(x_BxTxK.reshape(b * t, k), kernel).reshape(b, t, -1)
+      small = None
+    if small is not None and small.usable(b * t, x_BxTxK.dtype, kernel.dtype):
+      return small.small_matmul(x_BxTxK.reshape(b * t, k), kernel).reshape(b, t, -1)
+    if small is not None and small.usable_bf16(b * t, x_BxTxK.dtype, kernel.dtype):
+      y = small.small_matmul_bf16(x_BxTxK.reshape(b * t, k), kernel)
+      return y.astype(x_BxTxK.dtype).reshape(b, t, -1)
   return jnp.dot(x_BxTxK, kernel)
 
 

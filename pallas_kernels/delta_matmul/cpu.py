@@ -19,7 +19,8 @@ The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
 
 Numerics: delta term accumulated in f32 from f32 x, α applied in the kernel's epilogue; the
 base product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
-`pallas_kernels.small_matmul` kernel); the sum is cast to ``x.dtype``.
+`pallas_kernels.small_matmul` kernel, for up to 64 rows of bf16 x and W_base its bf16 kernel);
+the sum is cast to ``x.dtype``.
 
 Backend: host CPU only. The kernel is compiled on first use with the system ``g++``
 (``-O3 -march=native``; a persistent thread pool splits rows or columns once a call is big
@@ -204,10 +205,9 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
   f32 = x.dtype == w_base.dtype == jnp.float32
   if f32 and x.shape[0] >= MERGED_MIN_ROWS and os.environ.get("BITDELTA_CPU_MERGED") != "0":
     return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
-  from pallas_kernels.small_matmul.cpu import small_matmul, usable
+  from pallas_kernels.small_matmul.cpu import dense_f32
 
-  if usable(x.shape[0], x.dtype, w_base.dtype):
-    base = small_matmul(x, w_base)
-  else:
-    base = jnp.dot(x, w_base, preferred_element_type=jnp.float32)
+  # f32 rows: the f32 small-M kernel for 2-16 rows; bf16 x and W_base: the bf16 kernel for
+  # 1..BF16_MAX_ROWS rows (exact bf16 products, f32 sums, so x.astype(f32) below is exact too)
+  base = dense_f32(x, w_base)
   return fused_call(x, bank, scales, slots, base, group_k=group_k).astype(x.dtype)
