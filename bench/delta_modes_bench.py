@@ -258,42 +258,38 @@ def write_md(results: dict, machine: dict) -> str:
   lines += [
     "## Reading the results", "",
     "- **Byte accounting on a 128-wide model.** The sign plane is 1/16 of the bf16 bytes by "
-    "itself, and down_proj's K = 352 padded to group_k = 128 makes it 1/14.7 for that matrix "
-    "(the D-QRELO rows use group_k = 32: no padding). One α per output column in f32 adds "
-    "4·N bytes, so per-column BitDelta is 1/13 here, not 1/16. A 16-bit rank-1 component "
-    "costs 2·(K+N) bytes, a quarter of a 128×128 sign plane. So at ≤ 1/15 a 1-bit mode has "
-    "almost nothing left for a low-rank part (D-QRELO with 16-bit factors degenerates to "
-    "per-matrix BitDelta, with mixed widths it gets a few 2-bit components), while the pure "
-    "low-rank modes spend the whole budget on singular vectors. On a 4096-wide model the same "
-    "1/15 leaves D-QRELO ~8 bf16 components per matrix; these results do not say how it "
-    "ranks there.",
-    "- **Delta-CoMe-style mixed precision wins at every budget** (mean gap "
-    f"{mean_gap('delta-come', '1/16'):+.1f} at 1/16, {mean_gap('delta-come', '1/15'):+.1f} at "
-    f"1/15, {mean_gap('delta-come', '1/8'):+.1f} at 1/8, no data, no training), against "
-    f"{mean_gap('bitdelta/column+distill', None):+.1f} for the shipped distilled per-column "
-    "BitDelta at 1/13. 2- and 4-bit singular vectors (one f32 step each) give 5-8× the rank "
-    "of bf16 factors for the same bytes, and these deltas' spectra decay slowly enough that "
-    "rank matters far more than precision: truncated SVD with bf16 factors is no better than "
-    "the 1-bit modes at any budget.",
+    "itself (down_proj's K = 352 takes 32-row bit-plane groups, fitted to K: no padding). One "
+    "α per output column in f32 adds 4·N bytes, so per-column BitDelta is 1/13.2 here, not "
+    "1/16. A 16-bit rank-1 component costs 2·(K+N) bytes, a quarter of a 128×128 sign plane. "
+    "So at ≤ 1/15 a 1-bit mode has almost nothing left for a low-rank part (D-QRELO with "
+    "16-bit factors degenerates to per-matrix BitDelta, with mixed widths it gets a few 2-bit "
+    "components), while the pure low-rank modes spend the whole budget on singular vectors. "
+    "On a 4096-wide model the same 1/15 leaves D-QRELO ~8 bf16 components per matrix; these "
+    "results do not say how it ranks there (`fidelity_real.md` does it on SmolLM2-135M).",
+    "- **Delta-CoMe-style mixed precision is the best mode without training at every budget** "
+    f"(mean gap {mean_gap('delta-come', '1/16'):+.1f} at 1/16, "
+    f"{mean_gap('delta-come', '1/15'):+.1f} at 1/15, {mean_gap('delta-come', '1/12'):+.1f} at "
+    f"1/12, {mean_gap('delta-come', '1/8'):+.1f} at 1/8; no data); the shipped scale-distilled "
+    f"per-column BitDelta is {mean_gap('bitdelta/column+distill', None):+.1f} at 1/13.2. 2- and "
+    "4-bit singular vectors (one f32 step each) give 5-8× the rank of bf16 factors for the same "
+    "bytes, and these deltas' spectra decay slowly enough that rank matters far more than "
+    "precision: truncated SVD with bf16 factors is no better than the 1-bit modes at any budget.",
     "- **D-QRELO vs BitDelta**: with 16-bit factors it is per-column BitDelta plus a rank-1 "
     "down_proj at 1/12 (within noise of it), and much better at 1/8 "
     f"({mean_gap('dqrelo', '1/8'):+.1f} vs {mean_gap('bitdelta/column', None):+.1f}); with "
     f"mixed-width factors it reaches {mean_gap('dqrelo/mixed', '1/8'):+.1f} at 1/8, close to "
     "Delta-CoMe. At these sizes the sign plane costs more than it brings.",
-    "- **Misses** (per-column distilled BitDelta, 1/13 bytes, missed by -2.4 / -10.2 / -5.9 "
-    "on math / reverse / coder in bench/results/fidelity.md). nano-coder (long camelCase outputs, every token must be right) and, by "
-    "1-3 points, nano-math and nano-reverse: their KL to the fine-tune at 1/15 is 2-10× below "
-    "distilled BitDelta's, but exact match on multi-token answers still flips. A data-aware "
-    "allocation of bytes between matrices was tried (a global Frobenius-error knapsack over "
-    "all matrices): it lowered the total reconstruction error (0.273 → 0.240 on nano-math) "
-    "but made the task scores worse (-1.6 → -3.2 on nano-math, -2.7 → -3.9 on nano-reverse), "
-    "so the budget stays per matrix. Calibrating the factors on task data (as scale "
-    "distillation does for α) is the obvious next step and not done here.",
-    "- The full fine-tunes were rebuilt by the recipe (`ensure_finetune`) and differ slightly "
-    "from those the shipped deltas were distilled against (full-FT exact match here vs "
-    "family.json: coder 89.8 vs 83.6, reverse 93.0 vs 92.2), so the `column+distill` row "
-    "is measured against a slightly different target than it was trained for. No "
-    "distillation was run for the new modes.", ""]
+    "- **Misses** at ≤ 1/15: nano-sort and nano-coder lose 2-2.3 points with Delta-CoMe (KL "
+    "≤ 0.003 nats per answer token: one or two multi-token answers flip), while distilled "
+    "BitDelta at 1/13.2 is within 1.0 point on all six (`fidelity.md`). None of the low-rank "
+    "modes was distilled here (`bitdelta distill` trains their factors since this commit; "
+    "`fidelity_real.md` measures it on the real model). A data-aware allocation of bytes "
+    "between matrices was tried on the previous family (a global Frobenius-error knapsack): it "
+    "lowered the reconstruction error but made the task scores worse, so the budget stays per "
+    "matrix.",
+    "- The family is the one the shipped deltas were built from (same cached fine-tunes: "
+    "full-FT exact match here equals family.json's), so the `column+distill` row is measured "
+    "against the target it was distilled for.", ""]
   fp = {k: np.mean([results[n]["factor_precision"][k]["mean"] for n in names])
         for k in ("bfloat16", "float16")}
   fpmax = {k: max(results[n]["factor_precision"][k]["max"] for n in names)
