@@ -280,7 +280,7 @@ def write_md(results: dict, machine: dict) -> str:
     f"mixed-width factors it reaches {mean_gap('dqrelo/mixed', '1/8'):+.1f} at 1/8, close to "
     "Delta-CoMe. At these sizes the sign plane costs more than it brings.",
     "- **Misses** at ≤ 1/15: nano-sort and nano-coder lose 2-2.3 points with Delta-CoMe (KL "
-    "≤ 0.003 nats per answer token: one or two multi-token answers flip), while distilled "
+    "≤ 0.003 nats per answer token: a few multi-token answers flip), while distilled "
     "BitDelta at 1/13.2 is within 1.0 point on all six (`fidelity.md`). None of the low-rank "
     "modes was distilled here (`bitdelta distill` trains their factors since this commit; "
     "`fidelity_real.md` measures it on the real model). A data-aware allocation of bytes "
