@@ -1,7 +1,8 @@
 """Attention of one ragged token batch over a paged KV cache (see `reference`).
 
 `ragged_paged_attention` dispatches by platform (`api`): the Mosaic GPU decode kernel
-(`mosaic_gpu`) on CUDA, the plain-jnp reference elsewhere; `lowering_platform("cuda")` selects the
+(`mosaic_gpu`) on CUDA, the C++ decode kernel (`cpu`) on the host CPU, the plain-jnp reference
+elsewhere; `lowering_platform("cuda")` selects the
 GPU path while lowering for CUDA on another backend.
 """
 

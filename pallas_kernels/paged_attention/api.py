@@ -3,6 +3,8 @@
 Implementations (``implementation=``):
 
 * ``"reference"``: `reference.ragged_paged_attention`, plain jnp, any backend.
+* ``"cpu"``: the decode lanes through the C++ kernel (`cpu.py`, host CPU, read in place from
+  the pools), the packed-prefill pass and `merge` from the reference, as for ``"mosaic_gpu"``.
 * ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU kernel (`mosaic_gpu.py`,
   NVIDIA Hopper or newer), the packed-prefill pass through the reference's `packed_prefill`,
   put together by the reference's `merge`. ``interpret=True`` runs the kernel in Mosaic GPU
@@ -11,7 +13,9 @@ Implementations (``implementation=``):
 ``implementation=None`` picks ``"mosaic_gpu"`` when the target platform
 (`pallas_kernels.platform.target_platform`: the default backend, or the platform set by
 `lowering_platform`) is CUDA, the device (if there is one) is sm_90 or newer and the kernel takes
-the shapes (`mosaic_gpu.shapes_supported`); the reference otherwise.
+the shapes (`mosaic_gpu.shapes_supported`); ``"cpu"`` when the target platform is the CPU, the
+kernel builds and takes the shapes (`cpu.shapes_supported`) and ``BITDELTA_PAGED_ATTENTION_CPU``
+is not ``0``; the reference otherwise.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ from __future__ import annotations
 import jax
 
 from ..platform import hopper_reason, lowering_platform, target_platform
-from . import mosaic_gpu, reference
+from . import cpu, mosaic_gpu, reference
 
-IMPLEMENTATIONS = ("reference", "mosaic_gpu")
+IMPLEMENTATIONS = ("reference", "cpu", "mosaic_gpu")
 
 
 def _shape_reason(q, k_pool) -> str | None:
@@ -47,6 +51,25 @@ def _kernel_reason(q, k_pool, *, interpret) -> str | None:
   return _shape_reason(q, k_pool) or (None if interpret else _platform_reason())
 
 
+def _cpu_reason(q, k_pool) -> str | None:
+  """None if the CPU kernel can run this call on the target platform, else why not."""
+  _, h, _ = q.shape
+  reason = cpu.shapes_supported(
+    num_heads=h, num_kv_heads=k_pool.shape[3], dtype=k_pool.dtype, q_dtype=q.dtype
+  )
+  if reason is None and (platform := target_platform()) != "cpu":
+    reason = f"the CPU kernel needs the CPU platform, the target platform is {platform!r}"
+  return reason or cpu.build_reason()
+
+
+def _default(q, k_pool) -> str:
+  if _kernel_reason(q, k_pool, interpret=False) is None:
+    return "mosaic_gpu"
+  if cpu.enabled() and _cpu_reason(q, k_pool) is None:
+    return "cpu"
+  return "reference"
+
+
 def unavailable_reason(
   q, k_pool, *, implementation: str = "mosaic_gpu", interpret: bool = False
 ) -> str | None:
@@ -54,6 +77,8 @@ def unavailable_reason(
   ``jax.ShapeDtypeStruct``) on the target platform, else a readable reason."""
   if implementation == "reference":
     return None
+  if implementation == "cpu":
+    return _cpu_reason(q, k_pool)
   if implementation == "mosaic_gpu":
     return _kernel_reason(q, k_pool, interpret=interpret)
   raise ValueError(f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS}")
@@ -83,7 +108,7 @@ def ragged_paged_attention(
   results (`reference.ragged_paged_attention`), plus
 
   Args:
-    implementation: ``"reference"``, ``"mosaic_gpu"``, or None for the best on the target
+    implementation: ``"reference"``, ``"cpu"``, ``"mosaic_gpu"``, or None for the best on the target
       platform (see the module docstring). Naming ``"mosaic_gpu"`` for shapes the kernel does
       not take raises NotImplementedError, for a platform it cannot run on RuntimeError.
     interpret: run the Mosaic GPU kernel in interpret mode (True or an ``InterpretGPUParams``).
@@ -106,7 +131,7 @@ def ragged_paged_attention(
     window=window,
   )
   if implementation is None:
-    name = "mosaic_gpu" if _kernel_reason(q_NxHxD, k_pool, interpret=False) is None else "reference"
+    name = _default(q_NxHxD, k_pool)
   elif implementation in IMPLEMENTATIONS:
     name = implementation
   else:
@@ -115,21 +140,29 @@ def ragged_paged_attention(
     )
   if name == "reference":
     return reference.ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, **kw)
-  if reason := _shape_reason(q_NxHxD, k_pool):
-    raise NotImplementedError(f"ragged_paged_attention 'mosaic_gpu': {reason}")
-  if not interpret and (reason := _platform_reason()):
-    raise RuntimeError(f"ragged_paged_attention 'mosaic_gpu' cannot run: {reason}")
   r = lane_pages.shape[0]
-  dec = mosaic_gpu.ragged_paged_decode(
-    q_NxHxD[:r],
-    k_pool,
-    v_pool,
-    layer,
-    lane_pages=lane_pages,
-    lane_len=lane_len,
-    window=window,
-    interpret=interpret,
-  )
+  if name == "cpu":
+    if (platform := target_platform()) != "cpu":
+      raise RuntimeError(f"ragged_paged_attention 'cpu' cannot run on platform {platform!r}")
+    # decode_lanes raises NotImplementedError for shapes it does not take or an unbuildable kernel
+    dec = cpu.decode_lanes(
+      q_NxHxD[:r], k_pool, v_pool, layer, lane_pages=lane_pages, lane_len=lane_len, window=window
+    )
+  else:
+    if reason := _shape_reason(q_NxHxD, k_pool):
+      raise NotImplementedError(f"ragged_paged_attention 'mosaic_gpu': {reason}")
+    if not interpret and (reason := _platform_reason()):
+      raise RuntimeError(f"ragged_paged_attention 'mosaic_gpu' cannot run: {reason}")
+    dec = mosaic_gpu.ragged_paged_decode(
+      q_NxHxD[:r],
+      k_pool,
+      v_pool,
+      layer,
+      lane_pages=lane_pages,
+      lane_len=lane_len,
+      window=window,
+      interpret=interpret,
+    )
   pre = reference.packed_prefill(
     q_NxHxD,
     k_pool,

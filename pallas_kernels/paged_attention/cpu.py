@@ -1,0 +1,112 @@
+"""Decode-lane attention on the host CPU: a C++ kernel called through `jax.ffi`.
+
+Why: on CPU the engine's attention was the jnp reference, whose decode pass gathers each lane's
+pages out of the pools (a copy and a transpose per block) for as many blocks as the longest
+lane needs. ``cpu_kernel.cc`` reads keys and values in place through each lane's page table,
+bounded by the lane's own length (and window), one task per (lane, KV head) covering the query
+heads of its group, tasks split over a persistent thread pool when there is enough work.
+
+Numerics: the meaning of `reference.decode_lanes` (same masking, scale ``head_dim ** -0.5``,
+f32 scores and online softmax, bf16 probabilities before p·v for bf16 pools, zeros for a lane of
+length 0); sums in another order (per page, not per block), so results agree to rounding.
+Backend: host CPU, pools f32 or bf16, any head_dim and group size; built on first use like
+`pallas_kernels.small_matmul.cpu` (``g++ -O3 -march=native``); ``BITDELTA_PAGED_ATTENTION_CPU=0``
+turns it off for ``implementation=None``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bitdelta_jax import native
+
+_SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
+_TARGET = "bitdelta_paged_decode"
+_BIG = 1 << 30  # "no window", as the reference
+
+
+def _build(arch: tuple[str, ...] | None = None):
+  return native.build(
+    _SOURCE,
+    "paged_attention",
+    include_dirs=(jax.ffi.include_dir(),),
+    key_extra=jax.__version__.encode(),
+    arch=arch,
+  )
+
+
+@functools.cache
+def _load() -> str | None:
+  lib, reason = _build()
+  if lib is None:
+    return f"the CPU paged-attention kernel cannot be built: {reason}"
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedDecode), platform="cpu")
+  return None
+
+
+def build_target(arch: tuple[str, ...], target: str) -> None:
+  """Builds the kernel with target flags ``arch`` (``()``: the portable build, no AVX-512) and
+  registers it as FFI target ``target`` (pass it to `decode_lanes`). For tests."""
+  lib, reason = _build(arch)
+  if lib is None:
+    raise RuntimeError(f"the CPU paged-attention kernel cannot be built with {arch}: {reason}")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaPagedDecode), platform="cpu")
+
+
+def shapes_supported(*, num_heads: int, num_kv_heads: int, dtype, q_dtype) -> str | None:
+  """None if the kernel takes these shapes and dtypes, else why not."""
+  if num_heads % num_kv_heads:
+    return f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+  if jnp.dtype(dtype) not in (jnp.float32, jnp.bfloat16):
+    return f"the CPU kernel reads f32 or bf16 pools, not {jnp.dtype(dtype)}"
+  if jnp.dtype(q_dtype) not in (jnp.float32, jnp.bfloat16):
+    return f"the CPU kernel takes f32 or bf16 queries, not {jnp.dtype(q_dtype)}"
+  return None
+
+
+def build_reason() -> str | None:
+  """None if the kernel is built (or can be) here, else why not."""
+  return _load()
+
+
+def enabled() -> bool:
+  """Whether ``implementation=None`` may pick the kernel (``BITDELTA_PAGED_ATTENTION_CPU``)."""
+  return os.environ.get("BITDELTA_PAGED_ATTENTION_CPU", "1") != "0"
+
+
+def decode_lanes(
+  q_RxHxD, k_pool, v_pool, layer, *, lane_pages, lane_len, window=None, target: str = _TARGET
+):
+  """`reference.decode_lanes` through the kernel: ``[R, H, hd]`` in q's dtype for the first
+  ``R = lane_pages.shape[0]`` tokens of ``q``; each lane reads ``lane_len[r]`` keys of its pages
+  (no ``blocks``: the kernel bounds each lane by its own length). ``target``: another build
+  (`build_target`). Raises NotImplementedError
+  when the kernel cannot be built or does not take the shapes."""
+  if reason := _load():
+    raise NotImplementedError(reason)
+  _, h, d = q_RxHxD.shape
+  if reason := shapes_supported(
+    num_heads=h, num_kv_heads=k_pool.shape[3], dtype=k_pool.dtype, q_dtype=q_RxHxD.dtype
+  ):
+    raise NotImplementedError(f"paged attention 'cpu': {reason}")
+  r = lane_pages.shape[0]
+  call = jax.ffi.ffi_call(
+    target, jax.ShapeDtypeStruct((r, h, d), jnp.float32), vmap_method="sequential"
+  )
+  out = call(
+    q_RxHxD[:r].astype(jnp.float32),
+    k_pool,
+    v_pool,
+    jnp.asarray(layer, jnp.int32),
+    jnp.asarray(lane_pages, jnp.int32),
+    jnp.asarray(lane_len, jnp.int32),
+    jnp.asarray(_BIG if window is None else window, jnp.int32),
+    scale=np.float32(d**-0.5),
+  )
+  return out.astype(q_RxHxD.dtype)
