@@ -1,5 +1,6 @@
-"""A bf16 model on CPU: its decode-sized matmuls run the bf16 small-M kernel, and its logits
-match the f32 computation of the same bf16 weights as closely as XLA's own bf16 path does.
+"""A bf16 model on CPU: its decode-sized matmuls (linear layers, tied LM head) run the bf16
+small-M kernels, and its logits match the f32 computation of the same bf16 weights as closely
+as XLA's own bf16 path does.
 
 Tolerance: a bf16 model rounds its activations to bf16 after every layer (norms, projections,
 residual adds), which XLA's bf16 dots do exactly as the kernel does; the kernel's products are
@@ -18,10 +19,10 @@ from flax import nnx
 
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 from bitdelta_jax.models.layers import DeltaDense
-from pallas_kernels.small_matmul import cpu
+from pallas_kernels.small_matmul import cpu_bf16
 
 pytestmark = pytest.mark.skipif(
-  jax.default_backend() != "cpu" or cpu._load() is not None, reason="CPU kernels unavailable"
+  jax.default_backend() != "cpu" or cpu_bf16._load() is not None, reason="CPU kernels unavailable"
 )
 
 CFG = ModelConfig(
@@ -64,7 +65,7 @@ def _forward(model):
   return jax.jit(lambda st, ids, s: nnx.merge(graphdef, st)(ids, slot_ids=s)), state
 
 
-@pytest.mark.parametrize("rows,t", [(1, 1), (3, 5), (8, 8)])
+@pytest.mark.parametrize("rows,t", [(1, 1), (2, 4), (3, 5), (8, 8)])
 def test_bf16_logits_match_the_f32_model_like_xlas_bf16(models, monkeypatch, rows, t):
   m16, m32 = models
   rng = np.random.default_rng(rows * 10 + t)
@@ -72,13 +73,16 @@ def test_bf16_logits_match_the_f32_model_like_xlas_bf16(models, monkeypatch, row
   slots = jnp.asarray(np.arange(rows) % 3 if rows > 1 else [1], jnp.int32)
 
   f, state = _forward(m16)
-  assert "bitdelta_small_matmul_bf16" in f.lower(state, ids, slots).as_text()
+  hlo = f.lower(state, ids, slots).as_text()
+  # linear layers: the NN kernel for a few rows; the tied LM head: the NT kernel; else XLA
+  assert ("@bitdelta_small_matmul_bf16(" in hlo) == (rows * t <= cpu_bf16.MAX_ROWS)
+  assert ("@bitdelta_small_matmul_bf16_nt(" in hlo) == (rows * t <= cpu_bf16.NT_MAX_ROWS)
   got = np.asarray(f(state, ids, slots), np.float64)
   f32, state32 = _forward(m32)
   exact = np.asarray(f32(state32, ids, slots), np.float64)
   monkeypatch.setenv("BITDELTA_SMALL_MATMUL", "0")  # XLA's bf16 dots everywhere
   fx, _ = _forward(m16)
-  assert "bitdelta_small_matmul_bf16" not in fx.lower(state, ids, slots).as_text()
+  assert "@bitdelta_small_matmul_bf16" not in fx.lower(state, ids, slots).as_text()
   xla = np.asarray(fx(state, ids, slots), np.float64)
 
   err, xla_err = np.abs(got - exact).max(), np.abs(xla - exact).max()

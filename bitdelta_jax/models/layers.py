@@ -60,20 +60,41 @@ def delta_matmul_fn(implementation=None):
 
 def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
   """``x · W`` for the base path on one CPU device: the small-M kernels of
-  `pallas_kernels.small_matmul` (2-16 f32 rows; 1-64 rows of bf16 x and W), XLA's dot
-  otherwise (and always under a sharded matmul)."""
+  `pallas_kernels.small_matmul` (2-16 f32 rows), and for bf16 x and W `cpu_bf16.dense` (its
+  kernel for a few rows, else XLA's dot with f32 sums); XLA's dot otherwise (and always under
+  a sharded matmul)."""
   b, t, k = x_BxTxK.shape
   if not callable(implementation) and jax.device_count() == 1:
     try:
       from pallas_kernels.small_matmul import cpu as small
+      from pallas_kernels.small_matmul import cpu_bf16
     except ImportError:
       small = None
     if small is not None and small.usable(b * t, x_BxTxK.dtype, kernel.dtype):
       return small.small_matmul(x_BxTxK.reshape(b * t, k), kernel).reshape(b, t, -1)
-    if small is not None and small.usable_bf16(b * t, x_BxTxK.dtype, kernel.dtype):
-      y = small.small_matmul_bf16(x_BxTxK.reshape(b * t, k), kernel)
+    if small is not None and cpu_bf16.handles(x_BxTxK.dtype, kernel.dtype):
+      y = cpu_bf16.dense(x_BxTxK.reshape(b * t, k), kernel)
       return y.astype(x_BxTxK.dtype).reshape(b, t, -1)
   return jnp.dot(x_BxTxK, kernel)
+
+
+def _head_matmul(h_BxTxD: jax.Array, w: jax.Array, *, tied: bool) -> jax.Array:
+  """f32 logits ``h · Eᵀ`` (tied embedding ``[V, D]``) or ``h · W`` (LM head ``[D, V]``): on one
+  CPU device the bf16 kernels of `pallas_kernels.small_matmul.cpu_bf16` for a few bf16 rows
+  (XLA's bf16 ``h · Eᵀ`` is ~8x slower than f32 at one row), XLA's dot otherwise."""
+  b, t, d = h_BxTxD.shape
+  if jax.device_count() == 1:
+    try:
+      from pallas_kernels.small_matmul import cpu_bf16
+    except ImportError:
+      cpu_bf16 = None
+    if cpu_bf16 is not None:
+      usable = cpu_bf16.usable_nt if tied else cpu_bf16.usable
+      if usable(b * t, h_BxTxD.dtype, w.dtype):
+        fn = cpu_bf16.small_matmul_bf16_nt if tied else cpu_bf16.small_matmul_bf16
+        return fn(h_BxTxD.reshape(b * t, d), w).reshape(b, t, -1)
+  spec = "btd,vd->btv" if tied else "btd,dv->btv"
+  return jnp.einsum(spec, h_BxTxD, w, preferred_element_type=jnp.float32)
 
 
 def _rows(bank: jax.Array, slot_ids: jax.Array) -> jax.Array:
@@ -331,8 +352,7 @@ class Embed(nnx.Module):
 
   def attend(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``, + added tokens), f32 logits."""
-    w = self.weight[...]
-    logits = jnp.einsum("btd,vd->btv", h_BxTxD, w, preferred_element_type=jnp.float32)
+    logits = _head_matmul(h_BxTxD, self.weight[...], tied=True)
     if self.weight_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
                                   self.weight_delta_used[...], slot_ids, "btd,vd->btv")
@@ -382,7 +402,7 @@ class LMHead(nnx.Module):
     self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    logits = jnp.dot(h_BxTxD, self.kernel[...], preferred_element_type=jnp.float32)
+    logits = _head_matmul(h_BxTxD, self.kernel[...], tied=False)
     if self.kernel_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
                                   self.kernel_delta_used[...], slot_ids, "btd,dv->btv")

@@ -19,8 +19,8 @@ The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
 
 Numerics: delta term accumulated in f32 from f32 x, α applied in the kernel's epilogue; the
 base product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
-`pallas_kernels.small_matmul` kernel, for up to 64 rows of bf16 x and W_base its bf16 kernel);
-the sum is cast to ``x.dtype``.
+`pallas_kernels.small_matmul` kernel; for bf16 x and W_base `cpu_bf16.dense`: its kernel at
+one row, else XLA's dot with f32 sums); the sum is cast to ``x.dtype``.
 
 Backend: host CPU only. The kernel is compiled on first use with the system ``g++``
 (``-O3 -march=native``; a persistent thread pool splits rows or columns once a call is big
@@ -207,7 +207,7 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
     return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
   from pallas_kernels.small_matmul.cpu import dense_f32
 
-  # f32 rows: the f32 small-M kernel for 2-16 rows; bf16 x and W_base: the bf16 kernel for
-  # 1..BF16_MAX_ROWS rows (exact bf16 products, f32 sums, so x.astype(f32) below is exact too)
+  # f32 rows: the f32 small-M kernel for 2-16 rows; bf16 x and W_base: `cpu_bf16.dense` (exact
+  # bf16 products, f32 sums; x.astype(f32) in fused_call is exact too)
   base = dense_f32(x, w_base)
   return fused_call(x, bank, scales, slots, base, group_k=group_k).astype(x.dtype)
