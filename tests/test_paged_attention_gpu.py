@@ -28,6 +28,7 @@ from pallas_kernels.paged_attention import (
   ragged_paged_attention,
   reference,
 )
+from pallas_kernels.paged_attention.api import unavailable_reason
 from pallas_kernels.platform import override, target_platform
 
 CUSTOM_CALL = "mosaic_gpu_v2"  # the call target of a Mosaic GPU kernel in the lowered module
@@ -262,7 +263,12 @@ def test_dispatch_by_platform():
   q, k, v, kw = _mixed_batch(4, ps=16, dtype=jnp.float32)
   assert jax.default_backend() == "cpu" and target_platform() == "cpu" and override() is None
   program = lambda fn: str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, 0, **kw))(q, k, v))  # noqa: E731
-  assert program(ragged_paged_attention) == program(reference.ragged_paged_attention)
+  # on the CPU the default is the CPU kernel where it builds (test_paged_attention_cpu.py),
+  # else the reference: never the Mosaic GPU path
+  cpu_name = "cpu" if unavailable_reason(q, k, implementation="cpu") is None else "reference"
+  on_cpu = functools.partial(ragged_paged_attention, implementation=cpu_name)
+  assert program(ragged_paged_attention) == program(on_cpu)
+  assert "mosaic" not in program(ragged_paged_attention)
   with pytest.raises(RuntimeError, match="needs CUDA"):
     ragged_paged_attention(q, k, v, 0, implementation="mosaic_gpu", **kw)
   with pytest.raises(ValueError, match="unknown implementation"):
