@@ -39,8 +39,9 @@ from pathlib import Path
 MARKER = ".bitdelta-output.json"
 TMP_PREFIX = ".bitdelta-tmp-"
 OLD_PREFIX = ".bitdelta-old-"
-KINDS = ("delta", "checkpoint", "family")
-_KIND_WORDS = {"delta": "a bitdelta delta store", "checkpoint": "an HF checkpoint written by bitdelta",
+KINDS = ("delta", "checkpoint", "family", "adapter")
+_KIND_WORDS = {"delta": "a bitdelta delta store", "adapter": "a PEFT adapter written by bitdelta",
+               "checkpoint": "an HF checkpoint written by bitdelta",
                "family": "a bitdelta model family"}
 _SIDE = re.compile(
   r"^\.bitdelta-(?P<what>tmp|old)-(?P<name>.+)-(?P<pid>\d+)@(?P<host>[A-Za-z0-9._\-]*)-[0-9a-f]{8}$")

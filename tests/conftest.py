@@ -41,6 +41,7 @@ SLOW_TESTS = frozenset({
   "test_distill::test_cli_distill_on_changed_embeddings",
   "test_distill::test_distill_trains_only_scales_and_keeps_finetuned_embeddings",
   "test_hf_pipeline::test_console_script_inspect",
+  "test_lora_train::test_real_lora_is_cached_and_records_scores",
   "test_merge_baselines::test_dare",
   "test_merge_bench::test_micro_bench_writes_both_tables",
   "test_merge_cli::test_method_matches_tree_function",

@@ -7,8 +7,12 @@ from pathlib import Path
 
 
 def _build(args) -> int:
+  if args.real and args.real_loras:
+    raise SystemExit("bitdelta zoo build: choose one of --real and --real-loras")
   if args.real:
     return _build_real(args)
+  if args.real_loras:
+    return _build_real_loras(args)
   from bitdelta_jax.outputs import atomic_output_dir
   from bitdelta_jax.zoo import SHIPPED, cache_dir
   from bitdelta_jax.zoo.recipe import ZooConfig, build
@@ -42,6 +46,29 @@ def _build_real(args) -> int:
   return 0
 
 
+def _build_real_loras(args) -> int:
+  import shutil
+
+  from bitdelta_jax.outputs import atomic_output_dir
+  from bitdelta_jax.zoo.real_loras import build_real_loras
+
+  out = Path(args.out if args.out != "nano-family" else "smol-loras")
+  cache = Path(args.cache) if args.cache else None
+  paths = build_real_loras(args.tasks or None, cache_root=cache, progress=not args.quiet)
+  with atomic_output_dir(out, kind="family", overwrite=args.overwrite) as tmp:
+    summary = {}
+    for task, src in paths.items():
+      shutil.copytree(src, tmp / task, ignore=shutil.ignore_patterns(".bitdelta-output.json"))
+      info = json.loads((src / "info.json").read_text())
+      summary[task] = {"family": info["family"], **info["heldout"]}
+    (tmp / "loras.json").write_text(json.dumps(summary, indent=1))
+  if not args.quiet:
+    for task, h in summary.items():
+      print(f"{task:12s} {h['family']:8s} held-out EM {h['score']:5.1f}% (base {h['base_score']:.1f}%)")
+    print(f"wrote {len(summary)} PEFT adapters → {out}")
+  return 0
+
+
 def _eval(args) -> int:
   from bitdelta_jax.zoo import cache_dir
   from bitdelta_jax.zoo.fidelity import run_eval
@@ -68,6 +95,10 @@ def add_zoo_parsers(sub) -> None:
                  help="full fine-tunes of the real SmolLM2-135M-Instruct base (imported on "
                       "first use; ~15 min of CPU per variant), compressed 1-bit with 1-bit "
                       "embeddings; output default: smol-family")
+  b.add_argument("--real-loras", action="store_true",
+                 help="LoRA adapters of the real base for ten related tasks in four families "
+                      "(zoo.lora_tasks; cached, ~3 min each on 2 cores) copied into --out")
+  b.add_argument("--tasks", nargs="*", metavar="TASK", help="--real-loras: only these tasks")
   b.add_argument("--distill-steps", type=int, default=16, metavar="N",
                  help="--real: scale-distillation steps per variant (0: none; %(default)s)")
   b.add_argument("--out", default="nano-family", help="output directory")
