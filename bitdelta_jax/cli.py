@@ -1,4 +1,4 @@
-"""The `bitdelta` command line: compress | apply | inspect | distill | zoo | eval | merge | serve | demo.
+"""The `bitdelta` command line: compress | apply | inspect | distill | zoo | eval | merge | kmerge | serve | demo.
 
 Every command that fails on bad input prints ``error: <what and where>`` and exits with 2,
 leaving no partial output behind.
@@ -212,12 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _extra_commands():
   """Subcommands contributed by other modules (merge, zoo, serve, ...), when present."""
   from bitdelta_jax.distill import add_distill_parser
+  from bitdelta_jax.kmerge_cli import add_kmerge_parser
   from bitdelta_jax.merge.cli import add_merge_parser
   from bitdelta_jax.zoo.cli import add_zoo_parsers
   from serving.cli import add_demo_parser, add_serve_parsers
 
-  return [add_merge_parser, add_distill_parser, add_zoo_parsers, add_serve_parsers,
-          add_demo_parser]
+  return [add_merge_parser, add_kmerge_parser, add_distill_parser, add_zoo_parsers,
+          add_serve_parsers, add_demo_parser]
 
 
 class _QuietJaxBackendWarnings(logging.Filter):

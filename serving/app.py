@@ -48,6 +48,7 @@ from serving.registry import (
   changes_embeddings,
   is_adapter,
   packs_embeddings,
+  read_pool,
 )
 from serving.router import Router
 
@@ -87,6 +88,7 @@ class Server:
     self.router: Router | None = None
     self.base_fp: dict | None = None
     self.bad_variants: dict[str, str] = {}  # configured but left out: name -> why
+    self.pool_members = ()  # `serving.registry.PoolMember`s of cfg.kmerge_pool
     self.started = time.time()
 
   # -- lifecycle -------------------------------------------------------------------------------
@@ -96,7 +98,9 @@ class Server:
 
     cfg, loop = self.cfg, asyncio.get_running_loop()
     self.tokenizer = await loop.run_in_executor(self.io, Tokenizer.from_dir, cfg.base)
-    manifests = await loop.run_in_executor(self.io, _read_manifests, cfg.variants)
+    if cfg.kmerge_pool is not None:
+      self.pool_members = await loop.run_in_executor(self.io, self._read_pool)
+    manifests = await loop.run_in_executor(self.io, _read_manifests, self.configured)
     emb = cfg.embedding_slots
     if emb is None:
       emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
@@ -109,6 +113,7 @@ class Server:
                        if isinstance(m, dict) and "lora_rank" in m], default=0)
     self.base_fp = await loop.run_in_executor(
       self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
+    shapes = {n: tuple(t["shape"]) for n, t in self.base_fp["tensors"].items()}
     vocab = _base_vocab(cfg.base)
     extra = cfg.extra_vocab
     if extra is None:  # room for what the configured variants add, rounded up
@@ -118,8 +123,9 @@ class Server:
     self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
                              lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
                              vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed,
-                             base_dir=cfg.base)
+                             base_dir=cfg.base, base_shapes=shapes)
     await self._add_config_variants()
+    self._add_pool_tasks()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
                          lora_rank=lora_rank, extra_vocab=extra, packed_embedding_slots=packed)
     await asyncio.wrap_future(self.engine.start())
@@ -137,6 +143,42 @@ class Server:
       except LoadError as e:  # serve the rest; requests for it get the error
         log.warning("pinned %s", e)
 
+  @property
+  def configured(self) -> tuple[tuple[str, str], ...]:
+    """The configured variants, then the K-Merge pool's members (named by their ids)."""
+    return self.cfg.variants + tuple((m.id, str(m.path)) for m in self.pool_members)
+
+  def _read_pool(self):  # IO thread
+    """The pool's members; a `ConfigError` for a pool that cannot be read or whose member
+    names clash with the base or a configured variant."""
+    cfg = self.cfg
+    try:
+      members = read_pool(cfg.kmerge_pool)
+    except RegistryError as e:
+      raise ConfigError(f"kmerge_pool: {e}") from None
+    taken = {n: "a configured variant" for n, _ in cfg.variants}
+    taken[cfg.model_id] = "the base model"
+    for m in members:
+      if m.id in taken:
+        raise ConfigError(f"kmerge_pool: member {m.id!r} of {cfg.kmerge_pool} has the name of "
+                          f"{taken[m.id]}; rename that variant")
+    return members
+
+  def _add_pool_tasks(self) -> None:
+    """Each task of the pool's routing becomes a model name answered by its member (a
+    registry alias). A task named like the base, a variant or a member is a `ConfigError`."""
+    for m in self.pool_members:
+      if m.id in self.bad_variants:  # left out with --skip-bad-variants: so are its tasks
+        for t in m.tasks:
+          self.bad_variants[t] = f"its K-Merge member {m.id!r} fails its start-up checks"
+        continue
+      for t in m.tasks:
+        try:
+          self.registry.add_alias(t, m.id)
+        except RegistryError as e:
+          raise ConfigError(f"kmerge_pool: task {t!r} of {self.cfg.kmerge_pool} cannot be "
+                            f"served: {e}") from None
+
   async def _add_config_variants(self) -> None:
     """Checks every configured variant (directory, manifest, base, arrays) before the model
     loads. A failure is a `BadVariantsError` naming each variant and why, unless
@@ -147,17 +189,19 @@ class Server:
       name, p = self.registry.check(name, path, source="config")
       return p, self.registry.inspect(p, self._base_check, verify=cfg.verify_variants)
 
-    futs = [loop.run_in_executor(self.io, check, n, p) for n, p in cfg.variants]
+    members = {m.id for m in self.pool_members}
+    futs = [loop.run_in_executor(self.io, check, n, p) for n, p in self.configured]
     results = await asyncio.gather(*futs, return_exceptions=True)
-    for (name, _), res in zip(cfg.variants, results, strict=True):
+    for (name, _), res in zip(self.configured, results, strict=True):
       if isinstance(res, BaseException):
         if not isinstance(res, RegistryError | DeltaStoreError | DeltaMismatchError | OSError
                           | ValueError):
           raise res
-        self.bad_variants[name] = str(res)
+        where = f"member of the K-Merge pool {cfg.kmerge_pool}: " if name in members else ""
+        self.bad_variants[name] = where + str(res)
         continue
       p, info = res
-      self.registry.add(name, p, info, source="config")
+      self.registry.add(name, p, info, source="kmerge" if name in members else "config")
     if self.bad_variants:
       if not cfg.skip_bad_variants:
         raise BadVariantsError(self.bad_variants)
@@ -199,13 +243,23 @@ class Server:
 
   # -- models ----------------------------------------------------------------------------------
   def _model_obj(self, name: str, created: float, parent: str | None) -> dict:
-    return {"id": name, "object": "model", "created": int(created), "owned_by": "bitdelta-jax",
-            "root": self.cfg.model_id, "parent": parent}
+    obj = {"id": name, "object": "model", "created": int(created), "owned_by": "bitdelta-jax",
+           "root": self.cfg.model_id, "parent": parent}
+    if parent is None:
+      return obj
+    a = self.registry.alias_of(name)
+    if a is not None:  # a K-Merge task: answered by its member's adapter
+      obj["kmerge_member"] = a.target
+      obj["kmerge_tasks"] = self.registry.tasks_of(a.target)
+    elif tasks := self.registry.tasks_of(name):  # a K-Merge member
+      obj["kmerge_tasks"] = tasks
+    return obj
 
   async def models(self, request: web.Request) -> web.Response:
     base = self.cfg.model_id
     data = [self._model_obj(base, self.started, None)]
     data += [self._model_obj(v.name, v.registered_at, base) for v in self.registry.all()]
+    data += [self._model_obj(a.name, a.registered_at, base) for a in self.registry.aliases()]
     return web.json_response({"object": "list", "data": data})
 
   async def model(self, request: web.Request) -> web.Response:
@@ -215,7 +269,9 @@ class Server:
     v = self.registry.get(name)
     if v is None:
       raise unknown(name)
-    return web.json_response(self._model_obj(v.name, v.registered_at, self.cfg.model_id))
+    a = self.registry.alias_of(name)
+    created = a.registered_at if a is not None else v.registered_at
+    return web.json_response(self._model_obj(name, created, self.cfg.model_id))
 
   # -- admin -----------------------------------------------------------------------------------
   def _variant_info(self, v) -> dict:

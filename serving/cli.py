@@ -28,7 +28,7 @@ _FIELDS = {
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
-  "extra_vocab": "extra_vocab",
+  "extra_vocab": "extra_vocab", "kmerge_pool": "kmerge_pool",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
@@ -42,6 +42,10 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="base model: an HF directory with tokenizer.json")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=DELTA_DIR",
                  help="serve a variant: a delta directory or a PEFT LoRA adapter (repeatable)")
+  p.add_argument("--kmerge-pool", metavar="POOL_DIR",
+                 help="serve a K-Merge pool (`bitdelta kmerge build`): each member from one LoRA "
+                      "slot (model name: its id), each task of the pool as a model name answered "
+                      "by its member")
   p.add_argument("--config", metavar="FILE", help="JSON config file (same field names)")
   p.add_argument("--base-name", help="the base's model id (default: its directory name)")
   p.add_argument("--host", help="bind address (default 127.0.0.1)")
@@ -251,9 +255,10 @@ def _task_examples(names) -> dict[str, str]:
 
 
 def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str] | None = None,
-           skipped: dict[str, str] | None = None) -> str:
+           skipped: dict[str, str] | None = None, tasks: dict[str, str] | None = None) -> str:
   """The start-up banner; ``served`` (default: every configured variant) lists the variants
-  that passed their checks, ``skipped`` those left out and why."""
+  that passed their checks, ``skipped`` those left out and why, ``tasks`` the K-Merge pool's
+  task names and the member serving each."""
   names = [n for n, _ in cfg.variants] if served is None else list(served)
   examples = _task_examples(names) if demo else {}
   example = next(iter(examples), names[0] if names else cfg.model_id)
@@ -263,6 +268,8 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str]
     f"serving {cfg.model_id} and {len(names)} variant(s) at {url}",
     f"  variants: {', '.join(names) or '(none)'}",
   ]
+  if tasks:
+    lines.append("  k-merge:  " + ", ".join(f"{t} -> {m}" for t, m in tasks.items()))
   for n, why in (skipped or {}).items():
     lines.append(f"  skipped:  {n} (fails its start-up checks: {why})")
   lines += [
@@ -338,7 +345,8 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
     say(f"ready in {time.perf_counter() - t0:.0f} s")
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
     print(banner(config, f"http://{host}:{port}", demo=demo,
-                 served=[v.name for v in server.registry.all()], skipped=server.bad_variants),
+                 served=[v.name for v in server.registry.all()], skipped=server.bad_variants,
+                 tasks={a.name: a.target for a in server.registry.aliases()}),
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

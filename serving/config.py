@@ -43,6 +43,9 @@ class ServerConfig:
 
   base: str
   variants: tuple[tuple[str, str], ...] = ()
+  # a saved K-Merge pool (`bitdelta kmerge build`): each member is served from one LoRA slot
+  # (as the variant named by its id), each task of its routing is a model answered by its member
+  kmerge_pool: str | None = None
   base_name: str | None = None  # the base's model id; default: the base directory's name
   host: str = "127.0.0.1"
   port: int = 8000
@@ -109,6 +112,8 @@ class ServerConfig:
          f"must be >= 0, got {self.extra_vocab}")
     need(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
          f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+    need(self.kmerge_pool is None or (isinstance(self.kmerge_pool, str) and self.kmerge_pool != ""),
+         "kmerge_pool", f"expected a pool directory, got {self.kmerge_pool!r}")
     names = [check_name(n, "variant name") for n, _ in self.variants]
     need(len(set(names)) == len(names), "variants", "duplicate variant name")
     if self.base_name is not None:
@@ -185,6 +190,8 @@ class ServerConfig:
 
     if "base" in kw:
       kw["base"] = path(kw["base"], "base")
+    if kw.get("kmerge_pool") is not None:
+      kw["kmerge_pool"] = path(kw["kmerge_pool"], "kmerge_pool")
     if "variants" in kw:
       v = kw["variants"]
       items = v.items() if isinstance(v, Mapping) else v

@@ -3,12 +3,17 @@
 Only names registered here (from the config or ``POST /v1/variants``) ever map to a path; a
 request's ``model`` is looked up, never joined to a path. Each `Variant` also carries the
 cache's view of it (tier, slot, load times, request-rate counter), which `serving.cache` owns.
+
+A K-Merge pool (`bitdelta_jax.kmerge`, ``--kmerge-pool DIR``) registers each member's adapter
+as one variant (one LoRA slot per member) and each task of its routing as an `Alias`: a model
+name that resolves to its member's variant (`get`), never to a path of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import math
 import os
 import time
@@ -106,13 +111,67 @@ class Variant:
     self.rate_t = self.last_used = now
 
 
+@dataclasses.dataclass(frozen=True)
+class Alias:
+  """A model name answered by another variant: a task of a K-Merge pool and its member."""
+
+  name: str
+  target: str  # the variant (pool member) that answers it
+  source: str = "kmerge"
+  registered_at: float = dataclasses.field(default_factory=time.time)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolMember:
+  id: str
+  path: Path  # its PEFT adapter directory
+  tasks: tuple[str, ...]  # every task routed to it (merged in, or routed there by a fallback)
+
+
+def read_pool(path) -> tuple[PoolMember, ...]:
+  """The members of a saved K-Merge pool (``KMergePool.save``: ``pool.json`` and one PEFT
+  adapter directory per member) with the tasks its routing sends to each. Reads ``pool.json``
+  only; a missing or malformed one is a `RegistryError` naming the directory and the problem."""
+  from bitdelta_jax.kmerge import POOL_FILE
+
+  root = Path(path)
+  if not root.is_dir():
+    raise RegistryError(f"{root}: no such K-Merge pool directory", param="kmerge_pool")
+  index = root / POOL_FILE
+  if not index.is_file():
+    raise RegistryError(f"{root}: not a K-Merge pool (no {POOL_FILE}; build one with "
+                        "`bitdelta kmerge build`)", param="kmerge_pool")
+  try:
+    state = json.loads(index.read_text())
+    ids = [str(m["id"]) for m in state["members"]]
+    routing = {str(t): str(m) for t, m in dict(state["routing"]).items()}
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise RegistryError(f"{index}: corrupt pool index ({type(e).__name__}: {e})",
+                        param="kmerge_pool") from None
+  missing = sorted({m for m in routing.values() if m not in ids})
+  if missing:
+    raise RegistryError(f"{index}: the routing names members that the pool lacks: {missing}",
+                        param="kmerge_pool")
+  out = []
+  for mid in ids:
+    adapter_dir = root / "members" / mid
+    if not is_adapter(adapter_dir):
+      raise RegistryError(f"{root}: member {mid!r} has no adapter ({adapter_dir} lacks "
+                          "adapter_config.json)", param="kmerge_pool")
+    out.append(PoolMember(mid, adapter_dir.resolve(),
+                          tuple(t for t, m in routing.items() if m == mid)))
+  return tuple(out)
+
+
 class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
                embedding_slots: bool = False, lora_rank: int = 0,
                base_tensors: set[str] | None = None, vocab_size: int | None = None,
                extra_vocab: int = 0, packed_embedding_slots: bool = False,
-               base_dir: str | None = None):
+               base_dir: str | None = None,
+               base_shapes: dict[str, tuple[int, ...]] | None = None):
     self.base_dir = base_dir  # a variant's kept tokenizer files fall back to the base's
+    self.base_shapes = base_shapes  # HF name -> shape: a LoRA module must fit its weight  # a variant's kept tokenizer files fall back to the base's
     self.packed_embedding_slots = packed_embedding_slots
     self.base_id = base_id
     self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
@@ -121,16 +180,33 @@ class Registry:
     self.lora_rank = lora_rank
     self.base_tensors = base_tensors
     self._variants: dict[str, Variant] = {}
+    self._aliases: dict[str, Alias] = {}
     self._pending_removals: set[asyncio.Task] = set()  # DELETEs waiting for the engine
 
   # -- lookup ----------------------------------------------------------------------------------
   def get(self, name: str) -> Variant | None:
-    """The live variant called ``name`` (None if unknown or being deleted)."""
-    v = self._variants.get(name) if isinstance(name, str) else None
+    """The live variant answering ``name`` (None if unknown or being deleted); an alias (a
+    K-Merge task) resolves to its target."""
+    if not isinstance(name, str):
+      return None
+    a = self._aliases.get(name)
+    v = self._variants.get(a.target if a is not None else name)
     return None if v is None or v.deleting else v
 
   def all(self) -> list[Variant]:
     return [v for v in self._variants.values() if not v.deleting]
+
+  def aliases(self) -> list[Alias]:
+    """The live aliases (those whose target is live), in registration order."""
+    return [a for a in self._aliases.values() if self.get(a.target) is not None]
+
+  def alias_of(self, name: str) -> Alias | None:
+    a = self._aliases.get(name) if isinstance(name, str) else None
+    return a if a is not None and self.get(a.target) is not None else None
+
+  def tasks_of(self, target: str) -> list[str]:
+    """The alias names that resolve to the variant ``target``."""
+    return [a.name for a in self._aliases.values() if a.target == target]
 
   def __contains__(self, name: str) -> bool:
     return self.get(name) is not None
@@ -145,9 +221,7 @@ class Registry:
     if name == self.base_id:
       raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
                           code="variant_exists")
-    if name in self._variants:
-      raise RegistryError(f"a variant named {name!r} is already registered", param="name",
-                          status=409, code="variant_exists")
+    self._check_free(name)
     if not isinstance(path, str) or not path or "\x00" in path:
       raise RegistryError("path must be a non-empty string", param="path")
     try:
@@ -165,6 +239,31 @@ class Registry:
           f"path {str(p)!r} is outside the allowed delta roots (--variant-root)", param="path",
           status=403, code="path_not_allowed")
     return name, p.resolve()
+
+  def _check_free(self, name: str) -> None:
+    if name in self._variants:
+      raise RegistryError(f"a variant named {name!r} is already registered", param="name",
+                          status=409, code="variant_exists")
+    if name in self._aliases:
+      raise RegistryError(
+        f"{name!r} is already a K-Merge task name (served by member "
+        f"{self._aliases[name].target!r})", param="name", status=409, code="variant_exists")
+
+  def add_alias(self, name: str, target: str, *, source: str = "kmerge") -> Alias:
+    """Makes ``name`` a model answered by the registered variant ``target``. The name must be
+    valid and free (not the base, a variant or another alias)."""
+    try:
+      check_name(name, "name")
+    except ValueError as e:
+      raise RegistryError(str(e), param="name") from None
+    if name == self.base_id:
+      raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
+                          code="variant_exists")
+    self._check_free(name)
+    if target not in self._variants:
+      raise RegistryError(f"{name!r}: no variant {target!r} to serve it", param="name")
+    a = self._aliases[name] = Alias(name, target, source)
+    return a
 
   def inspect(self, path: Path, base_check, *, verify: bool = False) -> Inspected:
     """Reads and checks the manifest (run in an IO thread).
@@ -243,6 +342,16 @@ class Registry:
       if unknown:
         raise RegistryError(f"{path}: adapter modules not in the base: {unknown[:4]}",
                             param="path")
+    if self.base_shapes is not None:
+      for m, mod in sorted(adapter.modules.items()):
+        out_f, in_f = mod.B.shape[0], mod.A.shape[1]
+        if mod.fan_in_fan_out:
+          out_f, in_f = in_f, out_f
+        want = tuple(self.base_shapes.get(f"{m}.weight", ()))
+        if want and want != (out_f, in_f):
+          raise RegistryError(
+            f"{path}: adapter module {m} changes a [{out_f}, {in_f}] weight, but the base's "
+            f"{m}.weight is {list(want)} (an adapter for another base?)", param="path")
     if adapter.rank > self.lora_rank:
       raise RegistryError(
         f"{path}: LoRA rank {adapter.rank} exceeds the server's LoRA slot rank {self.lora_rank} "
@@ -250,9 +359,7 @@ class Registry:
     return adapter.nbytes
 
   def add(self, name: str, path: Path, info: Inspected | int, *, source: str) -> Variant:
-    if name in self._variants:  # raced with another registration
-      raise RegistryError(f"a variant named {name!r} is already registered", param="name",
-                          status=409, code="variant_exists")
+    self._check_free(name)  # raced with another registration
     if not isinstance(info, Inspected):
       info = Inspected(int(info))
     v = Variant(name=name, path=path, source=source, nbytes=info.nbytes,
@@ -277,16 +384,18 @@ class Registry:
     """Hides ``name`` from new requests and waits up to ``grace_s`` for its in-flight ones;
     those still running then end with an error (`end_requests`), and after ``end_wait_s``
     more it returns regardless: the variant is forgotten as soon as the last one lets go."""
-    v = self.get(name)
-    if v is None:
+    v = self._variants.get(name)  # never through an alias: a task name does not delete its member
+    if v is None or v.deleting:
       raise KeyError(name)
-    v.deleting = True
+    v.deleting = True  # its aliases stop resolving with it
 
     async def forget() -> None:
       if v.in_flight:
         await v._idle.wait()
       await on_removed(v)
       self._variants.pop(name, None)
+      for a in [a for a in self._aliases.values() if a.target == name]:
+        del self._aliases[a.name]
 
     v._idle = asyncio.Event()
     if not v.in_flight:

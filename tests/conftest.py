@@ -25,8 +25,8 @@ import pytest
 os.environ.setdefault("BITDELTA_COMPILE_CACHE", "0")
 
 SLOW_MODULES = frozenset({
-  "test_cuda_lowering", "test_demo_real", "test_paged_mesh", "test_real_base", "test_serving_fuzz", "test_serving_http",
-  "test_serving_liveness", "test_serving_lora", "test_serving_multihost",
+  "test_cuda_lowering", "test_demo_real", "test_kmerge_gate", "test_paged_mesh", "test_real_base", "test_serving_fuzz", "test_serving_http",
+  "test_serving_kmerge", "test_serving_liveness", "test_serving_lora", "test_serving_multihost",
   "test_serving_openai_api", "test_serving_openai_lm_eval", "test_serving_variant_vocab",
   "test_sharding", "test_sharding_distributed", "test_zoo", "test_zoo_real_family",
 })
