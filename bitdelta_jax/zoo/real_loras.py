@@ -61,8 +61,9 @@ class RealLoraContext:
     self.tokenizer = Tokenizer.from_dir(self.base_dir)
     self.trainer = LoraTrainer(from_pretrained(self.base_dir, jnp.float32))
 
-  def score(self, adapter, examples, seq: int = RECIPE.seq) -> dict:
-    return score(self.trainer.forward(adapter), examples, self.tokenizer, seq=seq)
+  def score(self, adapter, examples, seq: int = RECIPE.seq, batch: int = 16) -> dict:
+    """`real_family.score` of base + adapter (None: the base) on ``examples``."""
+    return score(self.trainer.forward(adapter), examples, self.tokenizer, seq=seq, batch=batch)
 
 
 def ensure_real_lora(task_name: str, recipe: LoraRecipe = RECIPE, *, ctx: RealLoraContext | None = None,
