@@ -81,14 +81,19 @@ def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.A
 def _head_matmul(h_BxTxD: jax.Array, w: jax.Array, *, tied: bool) -> jax.Array:
   """f32 logits ``h · Eᵀ`` (tied embedding ``[V, D]``) or ``h · W`` (LM head ``[D, V]``): on one
   CPU device the bf16 kernels of `pallas_kernels.small_matmul.cpu_bf16` for a few bf16 rows
-  (XLA's bf16 ``h · Eᵀ`` is ~8x slower than f32 at one row), XLA's dot otherwise."""
+  (XLA's bf16 ``h · Eᵀ`` is ~8x slower than f32 at one row) and the f32 NT kernel of
+  `pallas_kernels.small_matmul.cpu` for a few f32 rows of a tied head (XLA's f32 ``h · Eᵀ``
+  reads E at ~half the bandwidth: bench/results/cpu_head.md); XLA's dot otherwise."""
   b, t, d = h_BxTxD.shape
   if jax.device_count() == 1:
     try:
+      from pallas_kernels.small_matmul import cpu as small
       from pallas_kernels.small_matmul import cpu_bf16
     except ImportError:
       cpu_bf16 = None
     if cpu_bf16 is not None:
+      if tied and small.usable_nt(b * t, h_BxTxD.dtype, w.dtype):
+        return small.small_matmul_nt(h_BxTxD.reshape(b * t, d), w).reshape(b, t, -1)
       usable = cpu_bf16.usable_nt if tied else cpu_bf16.usable
       if usable(b * t, h_BxTxD.dtype, w.dtype):
         fn = cpu_bf16.small_matmul_bf16_nt if tied else cpu_bf16.small_matmul_bf16

@@ -1,4 +1,4 @@
-"""Small-M f32 matmul on the host CPU (decode steps): a C++ kernel called through `jax.ffi`.
+"""Small-M f32 matmuls on the host CPU (decode steps): C++ kernels called through `jax.ffi`.
 
 Why: a decode step multiplies a few rows by every weight matrix. XLA's CPU dot is good at 1 row
 (a GEMV near one core's bandwidth) and at many rows, but between 2 and 16 rows it runs far below
@@ -7,11 +7,15 @@ both the bandwidth and the FLOP rate: at 8 rows it costs nearly what 32 rows do.
 the columns). `DeltaDense` uses it for ``MIN_ROWS <= M <= MAX_ROWS`` f32 rows on the CPU
 backend; everything else stays with XLA (see bench/results/small_matmul_cpu.md).
 bf16 weights have their own kernels (`cpu_bf16`); `dense_f32` dispatches to either.
+The NT kernel ``x · Eᵀ`` is the tied LM head's (``E [V, D]``, `small_matmul_nt`): XLA's f32
+``h · Eᵀ`` read SmolLM2's 113 MB embedding at ~14 GB/s at one row; the kernel streams E once
+per call with all cores for ``NT_MIN_ROWS <= M <= NT_MAX_ROWS`` (bench/results/cpu_head.md).
 
 Numerics: f32 products and sums in another order than XLA's (agrees to rounding; tested against
 `reference.small_matmul_reference`). Backend: host CPU; built on first use like
 `pallas_kernels.delta_matmul.cpu` (``g++ -O3 -march=native``); ``$BITDELTA_CPU_THREADS`` caps
-the pool; ``BITDELTA_SMALL_MATMUL=0`` turns it (and the bf16 kernels) off.
+the pool; ``BITDELTA_SMALL_MATMUL=0`` turns them (and the bf16 kernels) off,
+``BITDELTA_CPU_HEAD=0`` only the f32 NT kernel (read when a program is traced).
 """
 
 from __future__ import annotations
@@ -26,20 +30,42 @@ import jax.numpy as jnp
 from bitdelta_jax import native
 
 MIN_ROWS, MAX_ROWS = 2, 16
+NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _POOL = pathlib.Path(__file__).with_name("pool.h")  # included by the kernels: part of the key
-_TARGET = "bitdelta_small_matmul"
+_TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
+
+
+def _build(arch: tuple[str, ...] | None = None):
+  return native.build(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
+                      key_extra=jax.__version__.encode() + _POOL.read_bytes(), arch=arch)
+
+
+def _register(lib, target: str) -> None:
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaSmallMatmul), platform="cpu")
+  jax.ffi.register_ffi_target(
+    target + "_nt", jax.ffi.pycapsule(lib.BitdeltaSmallMatmulNt), platform="cpu"
+  )
+
+
+def build_target(arch: tuple[str, ...], target: str) -> None:
+  """Builds the kernels with target flags ``arch`` (``()``: portable code, no AVX-512) and
+  registers them as ``target`` and ``target + "_nt"``: for tests of the paths this machine's
+  native build does not take."""
+  lib, reason = _build(arch)
+  if lib is None:
+    raise RuntimeError(f"the CPU small-matmul kernels cannot be built with {arch}: {reason}")
+  _register(lib, target)
 
 
 @functools.cache
 def _load() -> str | None:
-  """Builds and registers the f32 kernel (and the bf16 kernels, if they build: a program
+  """Builds and registers the f32 kernels (and the bf16 kernels, if they build: a program
   loaded from the step cache calls every target without tracing); None or why not."""
-  lib, reason = native.build(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
-                             key_extra=jax.__version__.encode() + _POOL.read_bytes())
+  lib, reason = _build()
   if lib is None:
     return f"the CPU small-matmul kernel cannot be built: {reason}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaSmallMatmul), platform="cpu")
+  _register(lib, _TARGET)
   from . import cpu_bf16
 
   cpu_bf16._load()
@@ -51,6 +77,19 @@ def usable(m: int, *dtypes) -> bool:
   if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0" or not MIN_ROWS <= m <= MAX_ROWS:
     return False
   if any(jnp.dtype(d) != jnp.float32 for d in dtypes):
+    return False
+  from pallas_kernels.platform import target_platform
+
+  return target_platform() == "cpu" and _load() is None
+
+
+def usable_nt(m: int, x_dtype, e_dtype) -> bool:
+  """Whether the NT kernel is taken for M f32 rows and an f32 E here (``BITDELTA_CPU_HEAD``)."""
+  if os.environ.get("BITDELTA_CPU_HEAD", "1") == "0" or not NT_MIN_ROWS <= m <= NT_MAX_ROWS:
+    return False
+  if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0":
+    return False
+  if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(e_dtype) != jnp.float32:
     return False
   from pallas_kernels.platform import target_platform
 
@@ -78,6 +117,42 @@ def _bwd(res, g):
 
 
 _small_matmul.defvjp(_fwd, _bwd)
+
+
+def _call_nt(x, e, target):
+  call = jax.ffi.ffi_call(target + "_nt", jax.ShapeDtypeStruct((x.shape[0], e.shape[0]),
+                                                              jnp.float32),
+                          vmap_method="sequential")
+  return call(x, e)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _nt(x, e, target):
+  return _call_nt(x, e, target)
+
+
+def _nt_fwd(x, e, target):
+  return _call_nt(x, e, target), (x, e)
+
+
+def _nt_bwd(target, res, g):
+  x, e = res
+  return g @ e, g.T @ x
+
+
+_nt.defvjp(_nt_fwd, _nt_bwd)
+
+
+def small_matmul_nt(x_MxK: jax.Array, e_NxK: jax.Array, *, target: str = _TARGET) -> jax.Array:
+  """``x · Eᵀ`` in f32 for ``E [N, K]`` (a tied LM head) through the kernel (raises
+  NotImplementedError if it cannot be built). ``target``: another build (`build_target`)."""
+  reason = _load()
+  if reason:
+    raise NotImplementedError(reason)
+  if jnp.dtype(x_MxK.dtype) != jnp.float32 or jnp.dtype(e_NxK.dtype) != jnp.float32:
+    raise NotImplementedError(f"the f32 NT kernel takes f32 x and E, got {x_MxK.dtype}, "
+                              f"{e_NxK.dtype}")
+  return _nt(x_MxK, e_NxK, target)
 
 
 def small_matmul(x_MxK: jax.Array, w_KxN: jax.Array) -> jax.Array:

@@ -17,3 +17,8 @@ def small_matmul_bf16_reference(x_MxK, w_KxN):
 def small_matmul_bf16_nt_reference(x_MxK, e_NxK):
   """``bf16(x) · Eᵀ`` for bf16 E ``[N, K]`` (a tied LM head), as above."""
   return small_matmul_bf16_reference(x_MxK, e_NxK.T)
+
+
+def small_matmul_nt_reference(x_MxK, e_NxK):
+  """``x · Eᵀ`` for ``E [N, K]`` (a tied LM head) with f32 accumulation."""
+  return jnp.dot(x_MxK, e_NxK.T, preferred_element_type=jnp.float32)
