@@ -9,7 +9,8 @@ loss on training-distribution examples, checked every ``every/avg_window`` steps
 (params ← monosoup(start, params) every ``every`` steps, i.e. applied to the update from the
 run's start point). A merge also happens at the last step, so the evaluated model is the merged
 one. Measured: smoothness (std of the step-to-step change of the training loss, whole run and
-second half), final held-out exact match and NLL.
+second half), final held-out exact match and NLL. The loop is the library's
+(`bitdelta_jax.merge.soup_training.soup_train`, shared with bench/soups_real_bench.py).
 
 **kmerge** (`--part kmerge`): one LoRA fine-tune of the base per task (q/v/up/down projections),
 then for each of ``seeds`` shuffled arrival orders and K = 1..#tasks a pool is fed the adapters
@@ -54,8 +55,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bitdelta_jax.merge.lora import LoraAdapter, from_factors, load_adapter, save_adapter  # noqa: E402
-from bitdelta_jax.merge.monosoup import monosoup  # noqa: E402
-from bitdelta_jax.merge.soups import SvdSoupHook  # noqa: E402
+from bitdelta_jax.merge.soup_training import SoupSchedule, copy_tree, soup_train  # noqa: E402
 from bitdelta_jax.models import from_pretrained  # noqa: E402
 from bitdelta_jax.models.loading import hf_name  # noqa: E402
 from bitdelta_jax.zoo.data import batch_examples  # noqa: E402
@@ -158,10 +158,6 @@ def load_base(base_dir) -> Base:
   return Base(graphdef, rest, pure, modules)
 
 
-def copy_tree(tree):
-  return jax.tree.map(jnp.array, tree)  # jnp.array copies: training steps donate their inputs
-
-
 def add_kernel_deltas(params, deltas: dict):
   """params with kernel += delta for {HF module name: delta [in, out]} (traceable)."""
 
@@ -185,6 +181,10 @@ def val_examples(task, n: int, seed: int):
 # ---------------------------------------------------------------- (a) soups
 
 
+# merge_bench's variant names → the library's soup methods (`merge.soup_training`)
+SOUP_METHOD = {"none": "none", "naive": "average", "svd_soup": "svd", "monosoup": "monosoup"}
+
+
 def soup_run(base: Base, task_name: str, variant: str, cfg: SoupConfig, step_fn, loss_fn) -> dict:
   task = TASKS[task_name]
   if cfg.steps % cfg.every:
@@ -192,38 +192,19 @@ def soup_run(base: Base, task_name: str, variant: str, cfg: SoupConfig, step_fn,
   opt = _soup_optimizer(cfg)
   start = base.params
   params = copy_tree(start)
-  opt_state = opt.init(params)
   batches = _task_batches(task, cfg.batch, cfg.seq, cfg.seed)  # the same stream for every variant
   vt, vm = (
     jnp.asarray(x) for x in batch_examples(val_examples(task, cfg.n_val, cfg.seed), cfg.seq)
   )
-  check = max(1, cfg.every // cfg.avg_window)
-  hook = SvdSoupHook(base=start, every=cfg.every, rank=cfg.svd_rank)
-  ckpts, losses, val, merges = [], [], [], []
-  t0 = time.perf_counter()
-  for step in range(1, cfg.steps + 1):
-    toks, mask = next(batches)
-    params, opt_state, loss = step_fn(params, opt_state, jnp.asarray(toks), jnp.asarray(mask))
-    losses.append(loss)
-    if step % check == 0:
-      vl = float(loss_fn(params, vt, vm))
-      val.append((step, vl))
-      if variant == "naive":
-        ckpts = (ckpts + [copy_tree(params)])[-cfg.avg_window :]
-      elif variant == "svd_soup":
-        hook.observe(params, vl)
-    if step % cfg.every == 0:
-      if variant == "naive" and ckpts:
-        params = jax.tree.map(lambda *xs: sum(xs) / len(xs), *ckpts)
-      elif variant == "svd_soup":
-        params = hook(step, params)
-      elif variant == "monosoup":
-        params = monosoup(start, params)
-      if variant != "none":
-        merges.append(step)
-      params = copy_tree(params)  # fresh buffers for the donating step
-  secs = time.perf_counter() - t0
-  losses = np.asarray([float(x) for x in losses])
+  sched = SoupSchedule(
+    SOUP_METHOD[variant], every=cfg.every, window=cfg.avg_window, rank=cfg.svd_rank
+  )
+  run = soup_train(
+    step_fn, params, opt.init(params), batches, cfg.steps, sched, start=start,
+    val_loss=lambda p: loss_fn(p, vt, vm),
+  )
+  params = run.params
+  losses = np.asarray(run.losses)
   d = np.diff(losses)
   half = len(losses) // 2
   em, nll = task_eval(base, params, task.heldout(cfg.n_eval, cfg.seed))
@@ -237,10 +218,10 @@ def soup_run(base: Base, task_name: str, variant: str, cfg: SoupConfig, step_fn,
     "final_val_loss": final_val,
     "exact_match": em,
     "nll": nll,
-    "merge_steps": merges,
-    "seconds": secs,
+    "merge_steps": run.merges,
+    "seconds": run.seconds,
     "losses": [round(float(x), 5) for x in losses],
-    "val": val,
+    "val": run.val,
   }
 
 

@@ -33,11 +33,13 @@ def _build(args) -> int:
 def _build_real(args) -> int:
   from bitdelta_jax.outputs import atomic_output_dir
   from bitdelta_jax.zoo import SHIPPED_REAL
-  from bitdelta_jax.zoo.real_family import build_real_family
+  from bitdelta_jax.zoo.real_family import RealRecipe, build_real_family
 
   out = SHIPPED_REAL if args.ship else Path(args.out if args.out != "nano-family" else "smol-family")
+  recipe = RealRecipe(soup=args.soup, soup_every=args.soup_every)
   with atomic_output_dir(out, kind="family", overwrite=args.overwrite or args.ship) as tmp:
-    fam = build_real_family(tmp, distill_steps=args.distill_steps, progress=not args.quiet)
+    fam = build_real_family(tmp, recipe=recipe, distill_steps=args.distill_steps,
+                            progress=not args.quiet)
   if not args.quiet:
     for name, v in fam["variants"].items():
       ratios = ", ".join(f"{k} {r:.1e}" for k, r in v["norm_ratios"].items())
@@ -101,6 +103,12 @@ def add_zoo_parsers(sub) -> None:
   b.add_argument("--tasks", nargs="*", metavar="TASK", help="--real-loras: only these tasks")
   b.add_argument("--distill-steps", type=int, default=16, metavar="N",
                  help="--real: scale-distillation steps per variant (0: none; %(default)s)")
+  b.add_argument("--soup", default="none", choices=("none", "average", "svd", "monosoup"),
+                 metavar="METHOD",
+                 help="--real: checkpoint soups during each fine-tune (merge.soup_training: "
+                      "none, average, svd, monosoup; %(default)s; bench/results/soups_real.md)")
+  b.add_argument("--soup-every", type=int, default=16, metavar="N",
+                 help="--real: merge every N steps (%(default)s)")
   b.add_argument("--out", default="nano-family", help="output directory")
   b.add_argument("--ship", action="store_true",
                  help="write into the package's shipped/ folder (with --real: shipped_real/)")

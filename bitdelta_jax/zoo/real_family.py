@@ -67,9 +67,27 @@ class RealRecipe:
   warmup: int = 6
   weight_decay: float = 0.01
   seed: int = 0
+  # checkpoint soups during training (`merge.soup_training`): "none" | "average" | "svd" |
+  # "monosoup", every `soup_every` steps; bench/results/soups_real.md compares them
+  soup: str = "none"
+  soup_every: int = 16
+
+  def __post_init__(self):
+    from bitdelta_jax.merge.soup_training import METHODS
+
+    if self.soup not in METHODS:
+      raise ValueError(f"soup must be one of {METHODS}, got {self.soup!r}")
 
   def key(self) -> str:
-    return json.dumps(dataclasses.asdict(self), sort_keys=True)
+    d = dataclasses.asdict(self)
+    if self.soup == "none":  # the key of fine-tunes cached before soups existed
+      del d["soup"], d["soup_every"]
+    return json.dumps(d, sort_keys=True)
+
+  def soup_schedule(self):
+    from bitdelta_jax.merge.soup_training import SoupSchedule
+
+    return SoupSchedule(self.soup, every=self.soup_every)
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -100,6 +118,13 @@ def _batches(task: Task, tokenizer, recipe: RealRecipe) -> Iterator[tuple[np.nda
     yield encode(tokenizer, [task.example(rng) for _ in range(recipe.batch)], recipe.seq)
 
 
+def validation_batch(task: Task, tokenizer, recipe: RealRecipe, n: int = 16):
+  """(tokens, mask) of ``n`` training-distribution examples off the training stream: the
+  validation loss that picks the best checkpoint of the svd soup."""
+  rng = random.Random(f"{task.name}:real-val:{recipe.seed}")
+  return encode(tokenizer, [task.example(rng) for _ in range(n)], recipe.seq)
+
+
 def _labels(train_embeddings: bool):
   def label(path, _):
     keys = [str(getattr(p, "key", getattr(p, "name", p))) for p in path]
@@ -124,6 +149,14 @@ def finetune(base_dir, name: str, recipe: RealRecipe = RealRecipe(), *, progress
   v = VARIANTS[name]
   tok = Tokenizer.from_dir(base_dir)
   model = from_pretrained(base_dir, jnp.float32)
+  if recipe.soup != "none":
+    from bitdelta_jax.merge.soup_training import train_with_soups
+
+    run = train_with_soups(model, _batches(TASKS[v.task], tok, recipe), recipe.steps,
+                           optimizer(recipe, v.train_embeddings), recipe.soup_schedule(),
+                           val=validation_batch(TASKS[v.task], tok, recipe)
+                           if recipe.soup == "svd" else None)
+    return model, run.losses
   losses = train(model, _batches(TASKS[v.task], tok, recipe), recipe.steps,
                  optimizer(recipe, v.train_embeddings), desc=f"finetune {name}",
                  progress=progress)
