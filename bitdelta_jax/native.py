@@ -2,8 +2,14 @@
 
 Used by the CPU delta-matmul kernel (`pallas_kernels/delta_matmul/cpu.py`) and the compression
 packer (`bitdelta_jax/delta/pack_native.py`). A build is keyed by the source, the compiler and
-the extra key (e.g. the jax version for FFI headers); ``-march=native`` is tried first, then a
-portable build. Without a compiler, callers get the reason and fall back to pure XLA/numpy.
+the extra key (e.g. the jax version for FFI headers) and the shared headers; ``-march=native``
+is tried first, then a portable build. Without a compiler, callers get the reason and fall
+back to pure XLA/numpy.
+
+Shared headers (``pallas_kernels/native``, on every build's include path): ``pool.h``, the
+kernels' persistent thread pool. A library that includes it exports ``BitdeltaPoolShare``;
+`build` hands each such library the pool of the ones loaded before it, so a process has one
+pool (one set of worker threads) whatever the number of kernel libraries.
 """
 
 from __future__ import annotations
@@ -16,6 +22,32 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+
+SHARED_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels" / "native"
+_pool: int | None = None  # the address of the process's thread pool (``BitdeltaPoolShare``)
+_pool_lock = threading.Lock()
+
+
+def _shared_headers() -> bytes:
+  """The shared headers' names and bytes: part of every build's key."""
+  if not SHARED_INCLUDE.is_dir():
+    return b""
+  return b"".join(p.name.encode() + p.read_bytes() for p in sorted(SHARED_INCLUDE.glob("*.h")))
+
+
+def _share_pool(lib: ctypes.CDLL) -> None:
+  """Makes ``lib`` use the process's pool (the first library's), if it has one."""
+  global _pool
+  try:
+    share = lib.BitdeltaPoolShare
+  except AttributeError:
+    return  # no pool in this library
+  share.restype, share.argtypes = ctypes.c_void_p, [ctypes.c_void_p]
+  with _pool_lock:
+    ptr = share(_pool)
+    if _pool is None:
+      _pool = ptr
 
 
 def cache_dir() -> pathlib.Path:
@@ -27,7 +59,7 @@ def cache_dir() -> pathlib.Path:
 def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, arch: tuple[str, ...],
              include_dirs: tuple[str, ...]) -> None:
   cmd = [cxx, *arch, "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-w",
-         *(f"-I{d}" for d in include_dirs), str(src), "-o", str(out)]
+         *(f"-I{d}" for d in (*include_dirs, SHARED_INCLUDE)), str(src), "-o", str(out)]
   subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
 
 
@@ -44,7 +76,7 @@ def build(source: pathlib.Path, name: str, *, include_dirs: tuple[str, ...] = ()
   if cxx is None:
     return None, "no C++ compiler (g++/c++ or $CXX) found"
   archs = [("-march=native",), ()] if arch is None else [tuple(arch)]
-  key = hashlib.sha256(source.read_bytes() + cxx.encode() + key_extra
+  key = hashlib.sha256(source.read_bytes() + cxx.encode() + key_extra + _shared_headers()
                        + platform.machine().encode()
                        + (b"" if arch is None else b"arch:" + " ".join(arch).encode())).hexdigest()[:16]
   lib_path = cache_dir() / f"{name}_{key}.so"
@@ -62,4 +94,6 @@ def build(source: pathlib.Path, name: str, *, include_dirs: tuple[str, ...] = ()
       else:
         return None, f"building {source.name} failed:\n" + "\n".join(errors)[-2000:]
       os.replace(tmp_lib, lib_path)  # atomic: concurrent builders agree on the result
-  return ctypes.cdll.LoadLibrary(str(lib_path)), None
+  lib = ctypes.cdll.LoadLibrary(str(lib_path))
+  _share_pool(lib)
+  return lib, None

@@ -26,14 +26,8 @@
 // epilogues. A portable path (scalar lookups, plain loops over the expanded panel) runs where
 // neither AVX-512 nor AVX2 exists.
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -44,6 +38,7 @@
 #define BD_AVX2 1
 #endif
 
+#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,80 +74,9 @@ struct Problem {
   int64_t M, K, N, R, G, C, S;
 };
 
-// --- thread pool ---------------------------------------------------------------------------------
+// --- thread pool: the process's one pool (pallas_kernels/native/pool.h) ------------------------
 
-// A persistent pool (the same design as pallas_kernels/small_matmul/cpu_kernel.cc): run(f, n)
-// calls f(i) for every i in [0, n), the caller taking part. Never destroyed (detached threads).
-class Pool {
- public:
-  static Pool& get() {
-    static Pool* p = new Pool;
-    return *p;
-  }
-  int size() const { return workers_ + 1; }
-  void run(const std::function<void(int)>& f, int n) {
-    if (n <= 1 || workers_ == 0) {
-      for (int i = 0; i < n; ++i) f(i);
-      return;
-    }
-    // One run at a time: XLA may run independent custom calls (q/k/v projections) at once.
-    std::lock_guard<std::mutex> one_at_a_time(run_mu_);
-    uint64_t gen;
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      job_ = &f; njobs_ = n; done_ = 0; gen = ++gen_;
-      next_.store((gen & 0xffffffffu) << 32);
-    }
-    cv_.notify_all();
-    int i, mine = 0;
-    while ((i = claim(gen, n)) >= 0) { f(i); ++mine; }
-    std::unique_lock<std::mutex> lk(mu_);
-    done_ += mine;
-    done_cv_.wait(lk, [&] { return done_ >= n; });
-  }
-
- private:
-  Pool() {
-    int n = int(std::thread::hardware_concurrency());
-    if (const char* env = std::getenv("BITDELTA_CPU_THREADS")) n = std::atoi(env);
-    n = std::max(1, std::min(n, 64));
-    for (int i = 1; i < n; ++i) std::thread([this] { loop(); }).detach();
-    workers_ = n - 1;
-  }
-  int claim(uint64_t gen, int n) {  // the next index of run `gen`, or -1
-    uint64_t cur = next_.load();
-    for (;;) {
-      if ((cur >> 32) != (gen & 0xffffffffu) || int(cur & 0xffffffffu) >= n) return -1;
-      if (next_.compare_exchange_weak(cur, cur + 1)) return int(cur & 0xffffffffu);
-    }
-  }
-  void loop() {
-    uint64_t seen = 0;
-    for (;;) {
-      const std::function<void(int)>* job;
-      int n;
-      {
-        std::unique_lock<std::mutex> lk(mu_);
-        cv_.wait(lk, [&] { return gen_ != seen; });
-        seen = gen_; job = job_; n = njobs_;
-      }
-      int i, mine = 0;
-      while ((i = claim(seen, n)) >= 0) { (*job)(i); ++mine; }
-      if (mine) {
-        std::lock_guard<std::mutex> lk(mu_);
-        done_ += mine;
-        done_cv_.notify_all();
-      }
-    }
-  }
-  int workers_ = 0;
-  std::mutex run_mu_, mu_;
-  std::condition_variable cv_, done_cv_;
-  const std::function<void(int)>* job_ = nullptr;
-  std::atomic<uint64_t> next_{0};
-  int njobs_ = 0, done_ = 0;
-  uint64_t gen_ = 0;
-};
+using bitdelta_native::Pool;
 
 // --- LUT strategy --------------------------------------------------------------------------------
 

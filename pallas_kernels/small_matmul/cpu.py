@@ -32,13 +32,12 @@ from bitdelta_jax import native
 MIN_ROWS, MAX_ROWS = 2, 16
 NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
-_POOL = pathlib.Path(__file__).with_name("pool.h")  # included by the kernels: part of the key
 _TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
 
 
 def _build(arch: tuple[str, ...] | None = None):
   return native.build(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
-                      key_extra=jax.__version__.encode() + _POOL.read_bytes(), arch=arch)
+                      key_extra=jax.__version__.encode(), arch=arch)
 
 
 def _register(lib, target: str) -> None:

@@ -15,9 +15,9 @@ elsewhere W is widened to f32 by a shift and multiplied with FMAs (still half th
 Numerics: x is rounded to bf16 first (a bf16 model's activations already are), so every
 product is exact in f32; sums in f32 in another order than XLA's (tested against float64 on
 the bf16 inputs, `reference.small_matmul_bf16_reference`). vdpbf16ps flushes denormals.
-Backend: host CPU; built on first use like `cpu` (``g++ -O3 -march=native``), sharing its
-thread pool's source (``pool.h``, one pool per library); ``$BITDELTA_CPU_THREADS`` caps the
-pool; ``BITDELTA_SMALL_MATMUL=0`` turns the kernels off.
+Backend: host CPU; built on first use like `cpu` (``g++ -O3 -march=native``), on the process's
+one thread pool (``pallas_kernels/native/pool.h``); ``$BITDELTA_CPU_THREADS`` caps the pool;
+``BITDELTA_SMALL_MATMUL=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from bitdelta_jax import native
 MAX_ROWS = 1
 NT_MAX_ROWS = 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_bf16_kernel.cc")
-_POOL = pathlib.Path(__file__).with_name("pool.h")
 _TARGET = "bitdelta_small_matmul_bf16"  # NN; the NT entry is _TARGET + "_nt"
 
 
@@ -49,7 +48,7 @@ def _build(arch: tuple[str, ...] | None = None):
     _SOURCE,
     "small_matmul_bf16",
     include_dirs=(jax.ffi.include_dir(),),
-    key_extra=jax.__version__.encode() + _POOL.read_bytes(),
+    key_extra=jax.__version__.encode(),
     arch=arch,
   )
 

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pool.h"
+#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -29,7 +29,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using bitdelta_small::Pool;
+using bitdelta_native::Pool;
 
 typedef float v16 __attribute__((vector_size(64)));
 constexpr int kK = 8;  // rows of W per accumulation step (widening NN path)

@@ -15,14 +15,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "pool.h"
+#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using bitdelta_small::Pool;
+using bitdelta_native::Pool;
 
 typedef float v16 __attribute__((vector_size(64)));
 constexpr int kRows = 8;  // rows of x per pass over W

@@ -1,5 +1,13 @@
-// The persistent thread pool of the CPU small-M kernels (`cpu_kernel.cc`, `cpu_bf16_kernel.cc`).
-// Included by both; cpu.py keys their builds on this file too.
+// The persistent thread pool of the project's CPU kernels (small_matmul, delta_matmul,
+// paged_attention), one per process.
+//
+// Every kernel library includes this header (`bitdelta_jax/native.py` puts its folder on the
+// include path and keys every build on it, so all libraries of one process share its layout).
+// Each library exports `BitdeltaPoolShare`: `native.build` calls it right after loading a
+// library, passing the pool of the libraries loaded before (null for the first), so the first
+// library's pool becomes every library's: one set of worker threads per process, whatever the
+// number of kernel libraries. `run` works on any library's pool: it only touches the pool's
+// data, and the workers run the job through the std::function they are handed.
 #pragma once
 
 #include <algorithm>
@@ -11,15 +19,32 @@
 #include <mutex>
 #include <thread>
 
-namespace bitdelta_small {
+namespace bitdelta_native {
 
-// A persistent pool: run(f, n) calls f(i) for every i in [0, n), the caller taking part.
-// It is never destroyed (its threads are detached and simply end with the process).
+// run(f, n) calls f(i) for every i in [0, n), the caller taking part. Never destroyed (its
+// threads are detached and simply end with the process).
 class Pool {
  public:
+  // This library's pool: the one `share` adopted, else a new one.
   static Pool& get() {
-    static Pool* p = new Pool;
+    Pool* p = slot().load(std::memory_order_acquire);
+    if (p != nullptr) return *p;
+    std::lock_guard<std::mutex> lk(create_mu());
+    p = slot().load(std::memory_order_acquire);
+    if (p == nullptr) {
+      p = new Pool;
+      slot().store(p, std::memory_order_release);
+    }
     return *p;
+  }
+  // Adopts `other` (another library's pool) if this library has none yet; returns the pool.
+  static Pool* share(Pool* other) {
+    if (other != nullptr) {
+      std::lock_guard<std::mutex> lk(create_mu());
+      if (slot().load(std::memory_order_acquire) == nullptr)
+        slot().store(other, std::memory_order_release);
+    }
+    return &get();
   }
   int size() const { return int(workers_) + 1; }
   void run(const std::function<void(int)>& f, int n) {
@@ -46,6 +71,14 @@ class Pool {
   }
 
  private:
+  static std::atomic<Pool*>& slot() {  // per library
+    static std::atomic<Pool*> p{nullptr};
+    return p;
+  }
+  static std::mutex& create_mu() {
+    static std::mutex mu;
+    return mu;
+  }
   Pool() {
     int n = int(std::thread::hardware_concurrency());
     if (const char* env = std::getenv("BITDELTA_CPU_THREADS")) n = std::atoi(env);
@@ -92,4 +125,11 @@ class Pool {
   uint64_t gen_ = 0;
 };
 
-}  // namespace bitdelta_small
+}  // namespace bitdelta_native
+
+// For `native.build`: adopt the process's pool (`other`, null for the first library); returns
+// the pool every later library should adopt. The header is included once per library (in its
+// one translation unit), so this definition is too.
+extern "C" __attribute__((visibility("default"))) void* BitdeltaPoolShare(void* other) {
+  return bitdelta_native::Pool::share(static_cast<bitdelta_native::Pool*>(other));
+}
