@@ -1,7 +1,7 @@
 """The CPU f32 NT kernel (`cpu.small_matmul_nt`: ``x · Eᵀ`` for a tied LM head) against float64
-numpy, in the native build and the portable one (no target flags: generic vectors without
-AVX-512); its gradient, the dispatch rules, and a tied Llama's logits through the kernel
-against the XLA path (`layers._head_matmul`).
+numpy, in the native build (AVX-512 here), an AVX2 build (``-mno-avx512f``) and the portable one
+(no target flags: generic vectors lowered to SSE2); its gradient, the dispatch rules, and a tied
+Llama's logits through the kernel against the XLA path (`layers._head_matmul`).
 
 Shapes: K odd, K < 16 and K not a multiple of 16; N not a multiple of the 12-row E block or the
 register tiles (12, 6, 3 E rows); M = 1..16 (one and two row blocks of 8 and their remainders),
@@ -20,7 +20,11 @@ from pallas_kernels.small_matmul.reference import small_matmul_nt_reference
 
 pytestmark = pytest.mark.skipif(cpu._load() is not None, reason=str(cpu._load()))
 
-BUILDS = {"native": None, "portable": ()}  # name -> target flags (None: the native build)
+BUILDS = {  # name -> target flags (None: the native build)
+  "native": None,
+  "avx2": ("-march=native", "-mno-avx512f"),
+  "portable": (),
+}
 
 
 @pytest.fixture(scope="module")
