@@ -64,7 +64,8 @@ ALL_TASKS = {**TASKS, **LORA_TASKS}
 class BenchConfig:
   # one task keeps the default run near 15-20 min on a quiet 2-core machine (an SVD merge of the
   # 210 linear matrices took ~55 s in the loaded smoke run, compile included; 3 merges per SVD
-  # run); --tasks nano-upper lora-add doubles it
+  # run); --tasks nano-upper lora-add doubles it. Plain training reaches a middle score in 48
+  # steps: held-out EM 57.8% (nano-upper), 70.3% (lora-add), both 0% for the base
   tasks: tuple[str, ...] = ("nano-upper",)
   steps: int = 48
   every: int = 16  # merge period N (a merge also lands on the last step)
