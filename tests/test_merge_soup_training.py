@@ -221,3 +221,6 @@ def test_cli_soup_flags_reach_the_recipe(tmp_path, monkeypatch):
   assert seen["recipe"].soup == "average" and seen["recipe"].soup_every == 8
   assert main(["zoo", "build", "--real", "--out", str(tmp_path / "fam2"), "--quiet"]) == 0
   assert seen["recipe"] == real_family.RealRecipe()
+  with pytest.raises(SystemExit, match="--real"):
+    main(["zoo", "build", "--soup", "monosoup", "--out", str(tmp_path / "fam3")])
+  assert not (tmp_path / "fam3").exists()

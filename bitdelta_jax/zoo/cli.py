@@ -9,6 +9,8 @@ from pathlib import Path
 def _build(args) -> int:
   if args.real and args.real_loras:
     raise SystemExit("bitdelta zoo build: choose one of --real and --real-loras")
+  if args.soup != "none" and not args.real:
+    raise SystemExit("bitdelta zoo build: --soup applies to the real fine-tunes (--real) only")
   if args.real:
     return _build_real(args)
   if args.real_loras:
