@@ -26,7 +26,19 @@ def describe() -> dict:
         mem = round(int(line.split()[1]) / 1024 / 1024, 1)
   except OSError:
     pass
-  out = {"cpu": cpu, "cpu_flags": flags, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
+  caches = {}  # the last-level cache decides what "far larger than the cache" means
+  base = "/sys/devices/system/cpu/cpu0/cache"
+  try:
+    for idx in sorted(os.listdir(base)):
+      if not idx.startswith("index"):
+        continue
+      level = open(f"{base}/{idx}/level").read().strip()
+      kind = open(f"{base}/{idx}/type").read().strip()
+      if kind != "Instruction":
+        caches[f"L{level}"] = open(f"{base}/{idx}/size").read().strip()
+  except OSError:
+    pass
+  out = {"cpu": cpu, "caches": caches, "cpu_flags": flags, "cores": os.cpu_count(), "mem_gib": mem, "python": platform.python_version(),
          "platform": platform.platform()}
   try:
     import jax

@@ -102,27 +102,47 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def start_server(base, variants, port, log):
+def launch_server(base, variants, port, log, *, device_slots: int = 4, extra: tuple = ()):
+  """`bitdelta serve` as a subprocess (base id "base"), not waited for (`wait_healthy`).
+  ``extra``: more CLI arguments (e.g. ``("--dtype", "bfloat16")``)."""
   cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
-         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots", "4",
-         "--base-name", "base"]
+         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots",
+         str(device_slots), "--base-name", "base", *extra]
   for n, d in variants.items():
     cmd += ["--variant", f"{n}={d}"]
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def wait_healthy(proc, port, log, t0=None, timeout_s=1800):
+  """Seconds from ``t0`` (default: now) until the server's /health answers 200."""
   import requests
 
-  t0 = time.time()
-  while time.time() - t0 < 1800:
+  t0 = time.time() if t0 is None else t0
+  while time.time() - t0 < timeout_s:
     if proc.poll() is not None:
       raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
     try:
       if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-        return proc, time.time() - t0
+        return time.time() - t0
     except requests.RequestException:
       pass
     time.sleep(1)
   proc.kill()
   raise TimeoutError("server did not become healthy")
+
+
+def start_server(base, variants, port, log, **kw):
+  t0 = time.time()
+  proc = launch_server(base, variants, port, log, **kw)
+  return proc, wait_healthy(proc, port, log, t0)
+
+
+def stop_server(proc, timeout_s=60):
+  proc.terminate()
+  try:
+    proc.wait(timeout_s)
+  except subprocess.TimeoutExpired:
+    proc.kill()
 
 
 async def run_requests(url, jobs, concurrency, max_tokens):
@@ -296,11 +316,7 @@ def main(argv=None) -> int:
       ln for ln in requests.get(url + "/metrics", timeout=10).text.splitlines()
       if ln.startswith(("bitdelta_prefix", "bitdelta_kv"))]
   finally:
-    proc.terminate()
-    try:
-      proc.wait(60)
-    except subprocess.TimeoutExpired:
-      proc.kill()
+    stop_server(proc)
   for k, g in GOALS.items():
     r = res[k]["ratio"]
     res[k]["goal"] = g
