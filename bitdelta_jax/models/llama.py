@@ -243,7 +243,7 @@ class LlamaForCausalLM(nnx.Module):
     `stack_layers`); None unrolls ``self.model.layers``. ``kv_sharding`` (on a mesh): the
     sharding of the new K/V ``[N, kv, hd]`` the pools' layout needs before they are written.
     """
-    from pallas_kernels.paged_attention import ragged_paged_attention
+    from pallas_kernels.paged_attention import ragged_paged_attention, write_kv
 
     cfg = self.config
     n = batch.tokens.shape[0]
@@ -262,6 +262,7 @@ class LlamaForCausalLM(nnx.Module):
       return ragged_paged_attention(q, k_pool, v_pool, i, window=window, block_pages=bp, **tables)
 
     heads = None if kv_sharding is None else kv_sharding.spec[1]
+    write_impl = None if kv_sharding is None else "reference"
     if heads is not None:
       # KV heads split over `model`: each device attends with its own heads (and the query heads
       # that share them), so a kernel (a custom call XLA cannot partition) reads only local
@@ -285,7 +286,8 @@ class LlamaForCausalLM(nnx.Module):
         for name, new in (("k", k[:, 0]), ("v", v[:, 0])):
           if kv_sharding is not None:
             new = jax.lax.with_sharding_constraint(new, kv_sharding)
-          pools[name] = pools[name].at[i, wp, wo].set(new.astype(k_pool.dtype))
+          # in place (the C++ write on CPU for bf16); a sharded pool takes the jnp scatter
+          pools[name] = write_kv(pools[name], i, wp, wo, new, implementation=write_impl)
         o = attention(q[:, 0], pools["k"], pools["v"], *scalars(i, window), tables)
         return o[:, None]
 

@@ -78,9 +78,17 @@ def run_impl(graphdef, layer_def, state, stacked, k_pool, v_pool, batch: PagedBa
   return k_pool, v_pool, StepOutput(tok, *lp, *sc)
 
 
-def copy_pages_impl(k_pool, v_pool, src, dst):
-  """Copies whole pages ``src -> dst`` (a forked sequence's partly filled last page)."""
-  return k_pool.at[:, dst].set(k_pool[:, src]), v_pool.at[:, dst].set(v_pool[:, src])
+def copy_pages_impl(k_pool, v_pool, src, dst, *, implementation=None):
+  """Copies whole pages ``src -> dst`` (a forked sequence's partly filled last page), in place
+  (`write_kv`; ``implementation="reference"`` for pools sharded over a mesh)."""
+  from pallas_kernels.paged_attention import write_kv
+
+  layers = jnp.arange(k_pool.shape[0], dtype=jnp.int32)[:, None, None]
+  offsets = jnp.arange(k_pool.shape[2], dtype=jnp.int32)[None, None, :]
+  return tuple(
+    write_kv(pool, layers, dst[None, :, None], offsets, pool[:, src], implementation=implementation)
+    for pool in (k_pool, v_pool)
+  )
 
 
 
@@ -90,10 +98,12 @@ def _register_native_kernels() -> None:
   if jax.default_backend() != "cpu":
     return
   from pallas_kernels.delta_matmul import cpu as delta_cpu
+  from pallas_kernels.paged_attention import cpu as attention_cpu
   from pallas_kernels.small_matmul import cpu as small_cpu
 
   delta_cpu.isa()
   small_cpu._load()
+  attention_cpu.build_reason()  # the decode attention and the in-place K/V write
 
 
 def scan_layers_default() -> bool:
@@ -133,7 +143,9 @@ class PagedRunner:
     self._restack()
     layer_def = self._stacked[0] if self._stacked is not None else None
     self._run, self._copy_pages = self.layout.jit_step(
-      functools.partial(run_impl, self.graphdef, layer_def), copy_pages_impl,
+      functools.partial(run_impl, self.graphdef, layer_def),
+      functools.partial(copy_pages_impl,
+                        implementation=None if self.layout.mesh is None else "reference"),
       self._layer_shardings())
     self.vocab_size = cfg.vocab_size + cfg.extra_vocab  # the width of the logits
     self._neutral: dict[int, LogitControls] = {}  # rows -> device arrays, reused every step

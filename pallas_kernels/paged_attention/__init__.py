@@ -3,11 +3,12 @@
 `ragged_paged_attention` dispatches by platform (`api`): the Mosaic GPU decode kernel
 (`mosaic_gpu`) on CUDA, the C++ decode kernel (`cpu`) on the host CPU, the plain-jnp reference
 elsewhere; `lowering_platform("cuda")` selects the
-GPU path while lowering for CUDA on another backend.
+GPU path while lowering for CUDA on another backend. `write_kv` stores a step's new K/V into a
+pool (in place on the CPU for bf16 pools).
 """
 
 from ..platform import lowering_platform
-from .api import IMPLEMENTATIONS, ragged_paged_attention, unavailable_reason
+from .api import IMPLEMENTATIONS, ragged_paged_attention, unavailable_reason, write_kv
 from .reference import ragged_paged_attention as ragged_paged_attention_reference
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
   "ragged_paged_attention",
   "ragged_paged_attention_reference",
   "unavailable_reason",
+  "write_kv",
 ]

@@ -4,7 +4,9 @@ Implementations (``implementation=``):
 
 * ``"reference"``: `reference.ragged_paged_attention`, plain jnp, any backend.
 * ``"cpu"``: the decode lanes through the C++ kernel (`cpu.py`, host CPU, read in place from
-  the pools), the packed-prefill pass and `merge` from the reference, as for ``"mosaic_gpu"``.
+  the pools), the packed-prefill pass and `merge` from the reference, as for ``"mosaic_gpu"``
+  (for pools other than f32 the prefill pass reads its pages with `cpu.gather`: XLA's CPU
+  backend would gather them from an f32 copy of the whole pool).
 * ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU kernel (`mosaic_gpu.py`,
   NVIDIA Hopper or newer), the packed-prefill pass through the reference's `packed_prefill`,
   put together by the reference's `merge`. ``interpret=True`` runs the kernel in Mosaic GPU
@@ -16,16 +18,22 @@ Implementations (``implementation=``):
 the shapes (`mosaic_gpu.shapes_supported`); ``"cpu"`` when the target platform is the CPU, the
 kernel builds and takes the shapes (`cpu.shapes_supported`) and ``BITDELTA_PAGED_ATTENTION_CPU``
 is not ``0``; the reference otherwise.
+
+`write_kv` stores the step's new K/V into a pool: a jnp scatter, or on the CPU for pools other
+than f32 the in-place C++ write (`cpu.write`), since XLA's CPU backend computes a bf16 scatter in
+f32 over the whole pool.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from ..platform import hopper_reason, lowering_platform, target_platform
 from . import cpu, mosaic_gpu, reference
 
 IMPLEMENTATIONS = ("reference", "cpu", "mosaic_gpu")
+WRITE_IMPLEMENTATIONS = ("reference", "cpu")
 
 
 def _shape_reason(q, k_pool) -> str | None:
@@ -163,6 +171,7 @@ def ragged_paged_attention(
       window=window,
       interpret=interpret,
     )
+  narrow = name == "cpu" and k_pool.dtype != jnp.float32
   pre = reference.packed_prefill(
     q_NxHxD,
     k_pool,
@@ -177,8 +186,44 @@ def ragged_paged_attention(
     blocks=blocks,
     block_pages=block_pages,
     window=window,
+    gather=cpu.gather if narrow else None,
   )
   return reference.merge(dec, pre, lane_len)
 
 
-__all__ = ["IMPLEMENTATIONS", "lowering_platform", "ragged_paged_attention", "unavailable_reason"]
+def write_kv(pool, layer, page, offset, new, *, implementation: str | None = None) -> jax.Array:
+  """``pool.at[layer, page, offset].set(new.astype(pool.dtype))``: ``pool`` ``[L, NP, PS, KV,
+  hd]``, ``new`` ``[..., KV, hd]``, indices broadcast to ``new.shape[:-2]``; entries with an
+  index out of range are dropped (``"cpu"`` drops negative indices too).
+
+  ``implementation``: ``"reference"`` (the jnp scatter), ``"cpu"`` (`cpu.write`, in place), or
+  None: ``"cpu"`` when the target platform is the CPU, the pool is not f32 (XLA's CPU backend
+  converts a bf16 pool to f32 and back around a scatter, a pass over the whole pool per call;
+  an f32 scatter is already in place), the kernel builds and ``BITDELTA_PAGED_ATTENTION_CPU`` is
+  not ``0``; the reference otherwise. Pass ``"reference"`` for a pool sharded over a mesh (a
+  custom call cannot be partitioned)."""
+  if implementation is None:
+    use_cpu = (
+      pool.dtype != jnp.float32
+      and target_platform() == "cpu"
+      and cpu.enabled()
+      and cpu.build_reason() is None
+    )
+    implementation = "cpu" if use_cpu else "reference"
+  if implementation == "cpu":
+    return cpu.write(pool, layer, page, offset, new)
+  if implementation != "reference":
+    raise ValueError(
+      f"unknown implementation {implementation!r}; choose from {WRITE_IMPLEMENTATIONS} or None"
+    )
+  return pool.at[layer, page, offset].set(new.astype(pool.dtype))
+
+
+__all__ = [
+  "IMPLEMENTATIONS",
+  "WRITE_IMPLEMENTATIONS",
+  "lowering_platform",
+  "ragged_paged_attention",
+  "unavailable_reason",
+  "write_kv",
+]

@@ -12,6 +12,12 @@ length 0); sums in another order (per page, not per block), so results agree to 
 Backend: host CPU, pools f32 or bf16, any head_dim and group size; built on first use like
 `pallas_kernels.small_matmul.cpu` (``g++ -O3 -march=native``); ``BITDELTA_PAGED_ATTENTION_CPU=0``
 turns it off for ``implementation=None``.
+
+`write` (the same library) stores a step's new K/V rows into a pool in place: XLA's CPU backend
+computes a bf16 scatter in f32 (it converts the whole pool to f32 and back), so the engine's
+``pool.at[layer, page, offset].set(new)`` cost a bf16 step time proportional to the pool's size.
+`gather` copies pages of one layer out of a pool (the packed-prefill pass's reads) for the same
+reason.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from bitdelta_jax import native
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_paged_decode"
+_WRITE_TARGET = "bitdelta_paged_write"
+_GATHER_TARGET = "bitdelta_paged_gather"
 _BIG = 1 << 30  # "no window", as the reference
 
 
@@ -47,6 +55,12 @@ def _load() -> str | None:
   if lib is None:
     return f"the CPU paged-attention kernel cannot be built: {reason}"
   jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedDecode), platform="cpu")
+  jax.ffi.register_ffi_target(
+    _WRITE_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedWrite), platform="cpu"
+  )
+  jax.ffi.register_ffi_target(
+    _GATHER_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedGather), platform="cpu"
+  )
   return None
 
 
@@ -110,3 +124,47 @@ def decode_lanes(
     scale=np.float32(d**-0.5),
   )
   return out.astype(q_RxHxD.dtype)
+
+
+def write(pool, layer, page, offset, new):
+  """``pool.at[layer, page, offset].set(new)`` in place (the result is the pool's buffer, so
+  the pool should be donated or dead after the call). ``pool``: ``[L, NP, PS, KV, hd]``;
+  ``layer, page, offset``: ints or int arrays broadcast to ``new.shape[:-2]``; ``new``:
+  ``[..., KV, hd]``, cast to the pool's dtype. Entries with an index out of range are dropped
+  (jnp's default for a scatter; negative indices are out of range here). Raises
+  NotImplementedError when the kernel cannot be built."""
+  if reason := _load():
+    raise NotImplementedError(reason)
+  n_layers, n_pages, ps = pool.shape[:3]
+  batch = new.shape[:-2]
+  idx = [jnp.broadcast_to(jnp.asarray(a, jnp.int32), batch) for a in (layer, page, offset)]
+  ok = (
+    (idx[0] >= 0)
+    & (idx[0] < n_layers)
+    & (idx[1] >= 0)
+    & (idx[1] < n_pages)
+    & (idx[2] >= 0)
+    & (idx[2] < ps)
+  )
+  rows = jnp.where(ok, (idx[0] * n_pages + idx[1]) * ps + idx[2], -1).reshape(-1)
+  src = new.astype(pool.dtype).reshape(rows.shape[0], *new.shape[-2:])
+  call = jax.ffi.ffi_call(
+    _WRITE_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0}
+  )
+  return call(pool, rows, src)
+
+
+def gather(pool, layer, pages):
+  """``pool[layer, pages]`` (``[n, PS, KV, hd]`` for ``pages [n]``; ``layer`` an int, possibly
+  traced; indices clamped, as XLA's gather) by copying the pages, in the pool's dtype. Raises
+  NotImplementedError when the kernel cannot be built."""
+  if reason := _load():
+    raise NotImplementedError(reason)
+  pages = jnp.asarray(pages, jnp.int32)
+  n_layers = pool.shape[0]
+  layer = jnp.asarray(layer, jnp.int32)
+  layer = jnp.where(layer < 0, layer + n_layers, layer)  # jnp indexing: negative from the end
+  call = jax.ffi.ffi_call(
+    _GATHER_TARGET, jax.ShapeDtypeStruct((*pages.shape, *pool.shape[2:]), pool.dtype)
+  )
+  return call(pool, layer, pages.reshape(-1)).reshape(*pages.shape, *pool.shape[2:])

@@ -11,6 +11,12 @@
 // pools the probabilities are rounded to bf16 before p·v, as the reference's
 // `p.astype(v.dtype)` does, products and sums in f32. The f32 vectors are GCC generic vectors:
 // AVX-512 code under -march=native on an AVX-512 machine, AVX2/SSE or scalar code elsewhere.
+//
+// `BitdeltaPagedWrite` stores new K/V rows into a pool in place (the result aliases the pool):
+// XLA's CPU backend computes a bf16 scatter in f32, converting the whole pool there and back
+// every layer, so a bf16 step's cost grew with the pool's size, not with the tokens written.
+// `BitdeltaPagedGather` copies some pages of one layer out of a pool (the packed-prefill pass's
+// `k_pool[layer, pages]`), which XLA would likewise compute from an f32 copy of the whole pool.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -235,3 +241,74 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaPagedDecode, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // window []
                                   .Ret<ffi::Buffer<ffi::F32>>()   // out [R, H, D]
                                   .Attr<float>("scale"));
+
+namespace {
+
+// pool [..., W] viewed as rows of W elements; rows[t] >= 0 names the row src[t] replaces (rows
+// out of range are skipped). The result is the pool's own buffer (input_output_aliases).
+ffi::Error WriteImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> rows, ffi::AnyBuffer src,
+                     ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions();
+  auto sd = src.dimensions();
+  const int64_t T = rows.element_count();
+  if (pool.element_type() != src.element_type() || pd.size() < 2 || sd.size() < 1 ||
+      sd[0] != T || pd[pd.size() - 1] != sd[sd.size() - 1])
+    return ffi::Error::InvalidArgument(
+        "paged_write_cpu: expected pool[..., W], rows[T], src[T, ..., W] of the pool's dtype");
+  const int64_t total = pool.element_count();
+  const int64_t width = T ? src.element_count() / T : 0;  // elements of one row
+  if (width == 0 || total % width != 0)
+    return ffi::Error::InvalidArgument("paged_write_cpu: pool rows do not match src rows");
+  const int64_t n_rows = total / width;
+  const size_t bytes = size_t(width) * ffi::ByteWidth(pool.element_type());
+  char* dst = static_cast<char*>(out->untyped_data());
+  if (dst != pool.untyped_data())  // not aliased (XLA keeps the alias; this is only a guard)
+    std::memcpy(dst, pool.untyped_data(), size_t(total) * ffi::ByteWidth(pool.element_type()));
+  const char* s = static_cast<const char*>(src.untyped_data());
+  const int32_t* r = rows.typed_data();
+  for (int64_t t = 0; t < T; ++t)
+    if (r[t] >= 0 && r[t] < n_rows) std::memcpy(dst + size_t(r[t]) * bytes, s + t * bytes, bytes);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaPagedWrite, WriteImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // pool [L, NP, PS, KV, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // rows [T]
+                                  .Arg<ffi::AnyBuffer>()          // src [T, KV, D]
+                                  .Ret<ffi::AnyBuffer>());        // the pool, aliased
+
+namespace {
+
+// out[i] = pool[layer, clamp(pages[i])]: whole pages of one layer (indices clamped, as XLA's
+// gather does).
+ffi::Error GatherImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> pages,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto pd = pool.dimensions();
+  if (pd.size() != 5 || out->element_type() != pool.element_type())
+    return ffi::Error::InvalidArgument("paged_gather_cpu: expected pool[L, NP, PS, KV, D]");
+  const int64_t L = pd[0], NP = pd[1], n = pages.element_count();
+  if (out->element_count() != n * pd[2] * pd[3] * pd[4])
+    return ffi::Error::InvalidArgument("paged_gather_cpu: out must be [n, PS, KV, D]");
+  const size_t bytes = size_t(pd[2] * pd[3] * pd[4]) * ffi::ByteWidth(pool.element_type());
+  const int64_t l = std::clamp<int64_t>(layer.typed_data()[0], 0, L - 1);
+  const char* src = static_cast<const char*>(pool.untyped_data());
+  char* dst = static_cast<char*>(out->untyped_data());
+  const int32_t* pg = pages.typed_data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t page = std::clamp<int64_t>(pg[i], 0, NP - 1);
+    std::memcpy(dst + i * bytes, src + size_t(l * NP + page) * bytes, bytes);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaPagedGather, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()          // pool [L, NP, PS, KV, D]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // layer []
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // pages [n]
+                                  .Ret<ffi::AnyBuffer>());        // [n, PS, KV, D]

@@ -99,10 +99,14 @@ def packed_prefill(
   blocks,
   block_pages: int,
   window=None,
+  gather=None,
 ):
   """The packed-prefill pass alone: ``[N, H, hd]``, every token against the step's prompt pages
   of its own sequence (``token_seq``) up to its position; zeros for a token with no key. Only
-  ``blocks[1]`` is read."""
+  ``blocks[1]`` is read. ``gather(pool, layer, pages)``: how pages are read, ``pool[layer,
+  pages]`` by default (`cpu.gather` for bf16 pools on CPU, where XLA would convert the whole
+  pool to f32 first)."""
+  take = gather or (lambda pool, layer, pg: pool[layer, pg])
   n, h, d = q_NxHxD.shape
   _, _, ps, kv, _ = k_pool.shape
   g = h // kv
@@ -115,8 +119,8 @@ def packed_prefill(
   def packed_block(j, carry):
     sl = lambda a: jax.lax.dynamic_slice_in_dim(a, j * bp, bp)  # noqa: E731
     pg, seq, start, fill = sl(pages), sl(page_seq), sl(page_start), sl(page_fill)
-    k = k_pool[layer, pg].reshape(bk, kv, d)
-    v = v_pool[layer, pg].reshape(bk, kv, d)
+    k = take(k_pool, layer, pg).reshape(bk, kv, d)
+    v = take(v_pool, layer, pg).reshape(bk, kv, d)
     s = jnp.einsum("nkgd,skd->nkgs", q, k, preferred_element_type=jnp.float32) * scale
     within = jnp.arange(ps, dtype=jnp.int32)
     kpos = (start[:, None] + within[None]).reshape(bk)
