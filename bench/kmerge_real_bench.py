@@ -52,11 +52,11 @@ class Config:
   tasks: tuple[str, ...] = tuple(LORA_TASKS)
   ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 10)
   orders: int = 3
-  n_eval: int = 32
-  n_val: int = 16
+  n_eval: int = 24
+  n_val: int = 12
   gate: float = 0.8  # fraction of the own adapter's validation exact match
   pp_threshold: float | None = None  # None: midway between mean intra- and inter-family similarity
-  random_draws: int = 2
+  random_draws: int = 1
   opcm_alpha: float = 0.5
   seed: int = 0
 
@@ -77,22 +77,38 @@ def fingerprint(adapter: LoraAdapter) -> str:
 
 
 class Scorer:
-  """Exact match (%) of base + adapter on a task's eval or validation prompts, cached."""
+  """Exact match (%) of base + adapter on a task's eval or validation prompts, cached by
+  content (and on disk, under ``cache``, so a rerun scores nothing twice). Each task's
+  examples are padded to its own longest, not to the recipe's sequence length."""
 
-  def __init__(self, ctx, cfg: Config):
+  def __init__(self, ctx, cfg: Config, cache: pathlib.Path | None = None):
+    from bitdelta_jax.zoo.real_family import END, chat_ids
     from bitdelta_jax.zoo.real_loras import heldout, validation
 
-    self.ctx, self.cache, self.calls = ctx, {}, 0
+    self.ctx, self.calls, self.path = ctx, 0, cache
+    self.cache = json.loads(cache.read_text()) if cache is not None and cache.exists() else {}
     self.sets = {("eval", t): heldout(t, cfg.n_eval, seed=cfg.seed) for t in cfg.tasks}
     self.sets |= {("val", t): validation(t, cfg.n_val, seed=cfg.seed + 1) for t in cfg.tasks}
+    tok = getattr(ctx, "tokenizer", None)
+    self.seq = {key: 48 if tok is None else -(-max(
+      len(chat_ids(tok, p)) + len(tok.encode(a + END, add_special_tokens=False)) for p, a in ex)
+      // 8) * 8 for key, ex in self.sets.items()}
 
   def __call__(self, adapter: LoraAdapter, task: str, split: str = "eval") -> float:
-    key = (fingerprint(adapter), task, split)
+    ex = self.sets[(split, task)]
+    key = f"{fingerprint(adapter) if adapter is not None else 'base'}|{task}|{split}|{len(ex)}"
     if key not in self.cache:
-      ex = self.sets[(split, task)]
-      self.cache[key] = self.ctx.score(adapter, ex, batch=len(ex))["score"]
+      self.cache[key] = self.ctx.score(adapter, ex, seq=self.seq[(split, task)],
+                                       batch=len(ex))["score"]
       self.calls += 1
+      if self.path is not None and self.calls % 10 == 0:
+        self.save()
     return self.cache[key]
+
+  def save(self) -> None:
+    if self.path is not None:
+      self.path.parent.mkdir(parents=True, exist_ok=True)
+      self.path.write_text(json.dumps(self.cache))
 
 
 def _pool(cfg: Config, k: int, one: int, **kw) -> KMergePool:
@@ -122,7 +138,8 @@ def _mean_std(xs) -> dict:
           "values": [float(x) for x in xs]}
 
 
-def run(cfg: Config, ctx=None, adapter_dirs: dict | None = None, progress=print) -> dict:
+def run(cfg: Config, ctx=None, adapter_dirs: dict | None = None, progress=print,
+        score_cache: pathlib.Path | None = None) -> dict:
   from bitdelta_jax.zoo.real_loras import RealLoraContext, build_real_loras
 
   t_start = time.perf_counter()
@@ -132,10 +149,10 @@ def run(cfg: Config, ctx=None, adapter_dirs: dict | None = None, progress=print)
           for t in cfg.tasks if (pathlib.Path(adapter_dirs[t]) / "info.json").exists()}
   one = max(a.nbytes for a in adapters.values())
   ctx = ctx or RealLoraContext()
-  score = Scorer(ctx, cfg)
+  score = Scorer(ctx, cfg, score_cache)
   own = {t: score(adapters[t], t) for t in cfg.tasks}
   own_val = {t: score(adapters[t], t, "val") for t in cfg.tasks}
-  base = {t: ctx.score(None, score.sets[("eval", t)], batch=cfg.n_eval)["score"] for t in cfg.tasks}
+  base = {t: score(None, t) for t in cfg.tasks}
   progress("own adapters: " + ", ".join(f"{t} {own[t]:.0f}%" for t in cfg.tasks))
 
   sims = {(a, b): similarity(adapters[a], adapters[b]) for a, b in itertools.combinations(cfg.tasks, 2)}
@@ -221,6 +238,7 @@ def run(cfg: Config, ctx=None, adapter_dirs: dict | None = None, progress=print)
     if k == n - 1:
       best = max(pairs, key=pair_gain)
       results["oracle"][k] = {**_mean_std([pair_gain(best)]), "pair": list(best)}
+    score.save()
     progress(f"K={k}: " + ", ".join(f"{m} {results[m][k]['mean']:.3f}±{results[m][k]['std']:.3f}"
                                     for m in methods) + f"  ({score.calls} evaluations)")
   return {
@@ -366,7 +384,9 @@ def main(argv=None) -> None:
     cfg = dataclasses.replace(cfg, orders=args.orders)
   meta = {"machine": describe(), "jax": jax.__version__,
           "load_start": [round(x, 2) for x in os.getloadavg()]}
-  data = run(cfg)
+  from bitdelta_jax.zoo import cache_dir
+
+  data = run(cfg, score_cache=cache_dir() / "kmerge-real-scores.json")
   meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

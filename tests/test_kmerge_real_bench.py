@@ -47,21 +47,24 @@ def test_merged_group_is_a_one_member_pool_in_arrival_order(bench):
   assert bench.fingerprint(got) != bench.fingerprint(ads["a"])
 
 
-def test_scores_are_cached_by_content(bench):
+def test_scores_are_cached_by_content_and_on_disk(bench, tmp_path):
   calls = []
 
   class Ctx:
-    def score(self, adapter, examples, batch):
+    def score(self, adapter, examples, seq, batch):
       calls.append(len(examples))
       return {"score": 50.0}
 
   cfg = bench.Config(tasks=("lora-add",), n_eval=4, n_val=3)
-  s = bench.Scorer(Ctx(), cfg)
+  s = bench.Scorer(Ctx(), cfg, tmp_path / "scores.json")
   a = _adapter(0)
   assert s(a, "lora-add") == 50.0 and s(_adapter(0), "lora-add") == 50.0  # same content
   s(a, "lora-add", "val")
   s(_adapter(1), "lora-add")
   assert calls == [4, 3, 4] and s.calls == 3
+  s.save()
+  again = bench.Scorer(Ctx(), cfg, tmp_path / "scores.json")
+  assert again(a, "lora-add", "val") == 50.0 and again.calls == 0 and calls == [4, 3, 4]
 
 
 def _data(km, rd, violations=()):
