@@ -171,7 +171,7 @@ class Registry:
                base_dir: str | None = None,
                base_shapes: dict[str, tuple[int, ...]] | None = None):
     self.base_dir = base_dir  # a variant's kept tokenizer files fall back to the base's
-    self.base_shapes = base_shapes  # HF name -> shape: a LoRA module must fit its weight  # a variant's kept tokenizer files fall back to the base's
+    self.base_shapes = base_shapes  # HF name -> shape: a LoRA module must fit its weight
     self.packed_embedding_slots = packed_embedding_slots
     self.base_id = base_id
     self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
