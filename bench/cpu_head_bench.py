@@ -120,7 +120,14 @@ def model_bench(rounds: int) -> dict:
         os.environ["BITDELTA_CPU_HEAD"] = old
     return compiled, "@bitdelta_small_matmul_nt(" in hlo
 
-  with_kernel, uses = program(None)
+  from pallas_kernels.small_matmul import cpu
+
+  routed_min = cpu.NT_MIN_ROWS
+  cpu.NT_MIN_ROWS = 1  # one row is not routed to the kernel by default: force it to compare
+  try:
+    with_kernel, uses = program(None)
+  finally:
+    cpu.NT_MIN_ROWS = routed_min
   without, uses_off = program("0")
   assert uses and not uses_off, (uses, uses_off)
   a, b = np.asarray(with_kernel(state, ids)), np.asarray(without(state, ids))
@@ -168,7 +175,7 @@ def write_md(res: dict, path: pathlib.Path) -> None:
     lines.append(
       f"| {r['rows']} | {r['xla_ms']:.2f} ({r['xla_gbps']:.1f}) | {r['kernel_ms']:.2f} "
       f"({r['kernel_gbps']:.1f}) | {r['kernel_over_xla']:.2f} | {r['xla_cpu_ms']:.2f} | "
-      f"{r['kernel_cpu_ms']:.2f} | {'yes' if r['rows'] <= res['nt_max_rows'] else 'no'} |"
+      f"{r['kernel_cpu_ms']:.2f} | {'yes' if res.get('nt_min_rows', 1) <= r['rows'] <= res['nt_max_rows'] else 'no'} |"
     )
   if res.get("model"):
     r = res["model"]
@@ -208,7 +215,8 @@ def main(argv=None) -> int:
     print(reason)
     return 1
   res = {"machine": {**describe(), "jax": jax.__version__}, "rounds": args.rounds,
-         "model_rounds": args.model_rounds, "nt_max_rows": cpu.NT_MAX_ROWS,
+         "model_rounds": args.model_rounds, "nt_min_rows": cpu.NT_MIN_ROWS,
+         "nt_max_rows": cpu.NT_MAX_ROWS,
          "load_before": os.getloadavg()[0]}
   res["head"] = head_bench(args.rounds)
   if not args.no_model:

@@ -86,12 +86,13 @@ def test_dispatch_rows_dtypes_and_switches(monkeypatch):
   f32, bf = jnp.float32, jnp.bfloat16
   assert cpu.usable_nt(cpu.NT_MIN_ROWS, f32, f32) and cpu.usable_nt(cpu.NT_MAX_ROWS, f32, f32)
   assert not cpu.usable_nt(cpu.NT_MAX_ROWS + 1, f32, f32)
+  assert not cpu.usable_nt(cpu.NT_MIN_ROWS - 1, f32, f32)
   assert not cpu.usable_nt(1, bf, bf) and not cpu.usable_nt(1, f32, bf)
   monkeypatch.setenv("BITDELTA_CPU_HEAD", "0")
-  assert not cpu.usable_nt(1, f32, f32)
+  assert not cpu.usable_nt(cpu.NT_MIN_ROWS, f32, f32)
   monkeypatch.setenv("BITDELTA_CPU_HEAD", "1")
   monkeypatch.setenv("BITDELTA_SMALL_MATMUL", "0")
-  assert not cpu.usable_nt(1, f32, f32)
+  assert not cpu.usable_nt(cpu.NT_MIN_ROWS, f32, f32)
 
 
 CFG = dict(model_type="llama", vocab_size=1003, hidden_size=72, intermediate_size=200,
@@ -109,8 +110,8 @@ def _forward(model):
 
 @pytest.mark.parametrize("rows,t", [(1, 1), (3, 1), (16, 1), (2, 5), (17, 1)])
 def test_tied_llama_logits_through_the_kernel_equal_the_xla_path(monkeypatch, rows, t):
-  """An f32 tied Llama (V = 1003, D = 72): its LM head runs the NT kernel for <= NT_MAX_ROWS
-  rows (``BITDELTA_CPU_HEAD=0``: XLA's einsum); the logits agree within f32 rounding."""
+  """An f32 tied Llama (V = 1003, D = 72): its LM head runs the NT kernel for NT_MIN_ROWS to
+  NT_MAX_ROWS rows (``BITDELTA_CPU_HEAD=0``: XLA's einsum); the logits agree within f32 rounding."""
   from flax import nnx
 
   from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
@@ -121,7 +122,7 @@ def test_tied_llama_logits_through_the_kernel_equal_the_xla_path(monkeypatch, ro
   slots = jnp.zeros((rows,), jnp.int32)
   f, state = _forward(model)
   assert ("@bitdelta_small_matmul_nt(" in f.lower(state, ids, slots).as_text()) == (
-    rows * t <= cpu.NT_MAX_ROWS)
+    cpu.NT_MIN_ROWS <= rows * t <= cpu.NT_MAX_ROWS)
   got = np.asarray(f(state, ids, slots))
   monkeypatch.setenv("BITDELTA_CPU_HEAD", "0")
   fx, _ = _forward(model)
