@@ -87,20 +87,15 @@ class AdapterScorer:
   def __init__(self, base_dir: str | os.PathLike):
     from flax import nnx
 
+    from bitdelta_jax.merge.lora_train import LoraTrainer
     from bitdelta_jax.models import from_pretrained
-    from bitdelta_jax.models.loading import hf_name
     from bitdelta_jax.models.tokenizer import Tokenizer
 
     self.tokenizer = Tokenizer.from_dir(base_dir)
-    model = from_pretrained(base_dir, dtype=jnp.float32)
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    self.graphdef, self.rest = graphdef, rest  # nnx.merge(graphdef, params, rest): the model
-    self.params = nnx.to_pure_dict(params)
-    self._kernels = {}  # HF module name -> flat key path of its kernel ([in, out])
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(self.params)[0]:
-      name, transposed = hf_name(tuple(k.key for k in kp))
-      if transposed:
-        self._kernels[name.removesuffix(".weight")] = tuple(leaf.shape)
+    self.trainer = LoraTrainer(from_pretrained(base_dir, dtype=jnp.float32))
+    graphdef, rest = self.graphdef, self.rest = self.trainer.graphdef, self.trainer.rest
+    self.params = self.trainer.params
+    self._kernels = self.trainer.modules  # HF module name -> its kernel's shape ([in, out])
 
     def hits(params, tokens, mask):
       logits = nnx.merge(graphdef, params, rest)(tokens)[:, :-1]
@@ -110,29 +105,8 @@ class AdapterScorer:
     self._hits = jax.jit(hits)
 
   def params_with(self, adapter: LoraAdapter | None):
-    """The base parameters with every adapted kernel += ΔWᵀ."""
-    if adapter is None:
-      return self.params
-    deltas = {}
-    for name, d in adapter.deltas().items():
-      module = name.removesuffix(".weight")
-      shape = self._kernels.get(module)
-      if shape is None:
-        raise ValueError(f"adapter module {module!r} is not a linear layer of the base")
-      if shape != d.T.shape:
-        raise ValueError(
-          f"adapter module {module!r}: ΔW is {list(d.shape)}, the base's weight {list(shape[::-1])}"
-        )
-      deltas[module] = jnp.asarray(d.T)
-
-    from bitdelta_jax.models.loading import hf_name
-
-    def one(kp, leaf):
-      name, transposed = hf_name(tuple(k.key for k in kp))
-      d = deltas.get(name.removesuffix(".weight")) if transposed else None
-      return leaf if d is None else leaf + d
-
-    return jax.tree_util.tree_map_with_path(one, self.params)
+    """The base parameters with every adapted kernel += ΔWᵀ (`LoraTrainer.params_with`)."""
+    return self.trainer.params_with(adapter)
 
   def score(self, adapter: LoraAdapter | None, encoded) -> float:
     """Exact match in [0, 1] of base + ``adapter`` on ``encoded`` (`encode_examples`)."""

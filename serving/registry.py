@@ -214,14 +214,7 @@ class Registry:
   # -- registration ----------------------------------------------------------------------------
   def check(self, name, path, *, source: str) -> tuple[str, Path]:
     """Validates a name and path (cheap checks, no I/O beyond ``stat``)."""
-    try:
-      check_name(name, "name")
-    except ValueError as e:
-      raise RegistryError(str(e), param="name") from None
-    if name == self.base_id:
-      raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
-                          code="variant_exists")
-    self._check_free(name)
+    self._check_new_name(name)
     if not isinstance(path, str) or not path or "\x00" in path:
       raise RegistryError("path must be a non-empty string", param="path")
     try:
@@ -240,6 +233,17 @@ class Registry:
           status=403, code="path_not_allowed")
     return name, p.resolve()
 
+  def _check_new_name(self, name) -> None:
+    """A valid model name that is free: not the base, a variant or an alias."""
+    try:
+      check_name(name, "name")
+    except ValueError as e:
+      raise RegistryError(str(e), param="name") from None
+    if name == self.base_id:
+      raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
+                          code="variant_exists")
+    self._check_free(name)
+
   def _check_free(self, name: str) -> None:
     if name in self._variants:
       raise RegistryError(f"a variant named {name!r} is already registered", param="name",
@@ -252,14 +256,7 @@ class Registry:
   def add_alias(self, name: str, target: str, *, source: str = "kmerge") -> Alias:
     """Makes ``name`` a model answered by the registered variant ``target``. The name must be
     valid and free (not the base, a variant or another alias)."""
-    try:
-      check_name(name, "name")
-    except ValueError as e:
-      raise RegistryError(str(e), param="name") from None
-    if name == self.base_id:
-      raise RegistryError(f"{name!r} is the base model's name", param="name", status=409,
-                          code="variant_exists")
-    self._check_free(name)
+    self._check_new_name(name)
     if target not in self._variants:
       raise RegistryError(f"{name!r}: no variant {target!r} to serve it", param="name")
     a = self._aliases[name] = Alias(name, target, source)

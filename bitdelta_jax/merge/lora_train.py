@@ -85,14 +85,27 @@ class LoraTrainer:
 
     return fwd
 
-  def forward(self, adapter: LoraAdapter | None):
-    """tokens [B, T] -> logits [B, T, V] of base + adapter (None: the base)."""
-    deltas = {} if adapter is None else {
-      k.removesuffix(".weight"): jnp.asarray(np.ascontiguousarray(v.T))
-      for k, v in adapter.deltas().items()}
-    unknown = set(deltas) - set(self.modules)
+  def deltas(self, adapter: LoraAdapter | None) -> dict:
+    """{HF module name: ΔW [in, out]} of ``adapter`` (None: none), each checked to fit the base."""
+    if adapter is None:
+      return {}
+    out = {k.removesuffix(".weight"): v for k, v in adapter.deltas().items()}
+    unknown = set(out) - set(self.modules)
     if unknown:
       raise ValueError(f"the adapter adapts modules the base does not have: {sorted(unknown)[:3]}")
+    for module, d in out.items():
+      if self.modules[module] != d.T.shape:
+        raise ValueError(f"adapter module {module!r}: ΔW is {list(d.shape)}, the base's weight "
+                         f"{list(self.modules[module][::-1])}")
+    return {m: jnp.asarray(np.ascontiguousarray(d.T)) for m, d in out.items()}
+
+  def params_with(self, adapter: LoraAdapter | None):
+    """The base parameters with every adapted kernel += ΔW (the base itself for None)."""
+    return _with_deltas(self.params, self.deltas(adapter)) if adapter is not None else self.params
+
+  def forward(self, adapter: LoraAdapter | None):
+    """tokens [B, T] -> logits [B, T, V] of base + adapter (None: the base)."""
+    deltas = self.deltas(adapter)
     return lambda tokens: self._forward(self.params, deltas, tokens)
 
   def init_factors(self, recipe: LoraRecipe, name: str) -> dict:
