@@ -111,8 +111,9 @@ class Scorer:
       self.path.write_text(json.dumps(self.cache))
 
 
-def _pool(cfg: Config, k: int, one: int, **kw) -> KMergePool:
-  return KMergePool(PoolConfig(k=k, budget_bytes=k * one, merge="opcm", alpha=cfg.opcm_alpha, **kw))
+def _pool(cfg: Config, k: int, one: int, gate=None, **kw) -> KMergePool:
+  return KMergePool(PoolConfig(k=k, budget_bytes=k * one, merge="opcm", alpha=cfg.opcm_alpha, **kw),
+                    gate=gate)
 
 
 def merged_group(adapters: dict, tasks: list[str], cfg: Config) -> LoraAdapter:
@@ -195,8 +196,7 @@ def run(cfg: Config, ctx=None, adapter_dirs: dict | None = None, progress=print,
         per[name].append(normalised(pool_scores(pool, score), own))
       # the quality gate (validation split), seed rule: evict the least used member
       gate = lambda ad, t: score(ad, t, "val") / max(own_val[t], 1e-9)  # noqa: E731
-      pool = KMergePool(PoolConfig(k=k, budget_bytes=k * one, merge="opcm", alpha=cfg.opcm_alpha,
-                                   gate_threshold=cfg.gate, fallback="evict_least_used"), gate=gate)
+      pool = _pool(cfg, k, one, gate, gate_threshold=cfg.gate, fallback="evict_least_used")
       for t in order:
         pool.add(t, adapters[t])
       per["kmerge+gate"].append(normalised(pool_scores(pool, score), own))

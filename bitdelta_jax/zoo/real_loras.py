@@ -71,14 +71,12 @@ def ensure_real_lora(task_name: str, recipe: LoraRecipe = RECIPE, *, ctx: RealLo
                      n_heldout: int = N_HELDOUT) -> Path:
   """The cached adapter of ``task_name`` (trained, scored and written on first use)."""
   from bitdelta_jax.outputs import OutputDir
-  from bitdelta_jax.zoo import cache_dir
 
   if task_name not in LORA_TASKS:
     raise KeyError(f"unknown LoRA task {task_name!r}; known: {sorted(LORA_TASKS)}")
-  cached = _cached(task_name, recipe, cache_root)
-  if cached is not None:
-    return cached
-  out = (cache_root or cache_dir() / "real-lora") / task_name
+  out = _lora_dir(task_name, cache_root)
+  if _cached(task_name, recipe, cache_root) is not None:
+    return out
   ctx = ctx or RealLoraContext()
   t0 = time.time()
   log = (lambda i, v: print(f"  {task_name} step {i:4d} loss {v:.4f}", flush=True)) if progress else None
@@ -102,10 +100,14 @@ def ensure_real_lora(task_name: str, recipe: LoraRecipe = RECIPE, *, ctx: RealLo
   return out
 
 
-def _cached(task_name: str, recipe: LoraRecipe, cache_root: Path | None) -> Path | None:
+def _lora_dir(task_name: str, cache_root: Path | None) -> Path:
   from bitdelta_jax.zoo import cache_dir
 
-  out = (cache_root or cache_dir() / "real-lora") / task_name
+  return (cache_root or cache_dir() / "real-lora") / task_name
+
+
+def _cached(task_name: str, recipe: LoraRecipe, cache_root: Path | None) -> Path | None:
+  out = _lora_dir(task_name, cache_root)
   info = out / "info.json"
   ok = info.exists() and json.loads(info.read_text()).get("recipe") == recipe.key()
   return out if ok else None
