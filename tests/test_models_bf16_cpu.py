@@ -19,6 +19,7 @@ from flax import nnx
 
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 from bitdelta_jax.models.layers import DeltaDense
+from pallas_kernels.delta_matmul import cpu_rows
 from pallas_kernels.small_matmul import cpu_bf16
 
 pytestmark = pytest.mark.skipif(
@@ -74,15 +75,18 @@ def test_bf16_logits_match_the_f32_model_like_xlas_bf16(models, monkeypatch, row
 
   f, state = _forward(m16)
   hlo = f.lower(state, ids, slots).as_text()
-  # linear layers: the NN kernel for a few rows; the tied LM head: the NT kernel; else XLA
-  assert ("@bitdelta_small_matmul_bf16(" in hlo) == (rows * t <= cpu_bf16.MAX_ROWS)
+  # linear layers: the few-rows kernel (base + deltas in one pass); the tied LM head: the NT
+  # kernel; else XLA
+  assert ("@bitdelta_delta_rows(" in hlo) == (rows * t <= cpu_rows.MAX_ROWS)
   assert ("@bitdelta_small_matmul_bf16_nt(" in hlo) == (rows * t <= cpu_bf16.NT_MAX_ROWS)
   got = np.asarray(f(state, ids, slots), np.float64)
   f32, state32 = _forward(m32)
   exact = np.asarray(f32(state32, ids, slots), np.float64)
   monkeypatch.setenv("BITDELTA_SMALL_MATMUL", "0")  # XLA's bf16 dots everywhere
+  monkeypatch.setenv("BITDELTA_CPU_ROWS", "0")
   fx, _ = _forward(m16)
-  assert "@bitdelta_small_matmul_bf16" not in fx.lower(state, ids, slots).as_text()
+  hlo_x = fx.lower(state, ids, slots).as_text()
+  assert "@bitdelta_small_matmul_bf16" not in hlo_x and "@bitdelta_delta_rows" not in hlo_x
   xla = np.asarray(fx(state, ids, slots), np.float64)
 
   err, xla_err = np.abs(got - exact).max(), np.abs(xla - exact).max()

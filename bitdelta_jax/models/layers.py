@@ -58,6 +58,18 @@ def delta_matmul_fn(implementation=None):
   return functools.partial(delta_matmul, implementation=implementation)
 
 
+def _rows_kernel(rows: int, x_dtype, w_dtype, implementation):
+  """`cpu_rows.rows_call` when a product of ``rows`` rows takes the CPU few-rows kernel (one CPU
+  device, no explicit implementation, up to `cpu_rows.MAX_ROWS` rows), else None."""
+  if callable(implementation) or implementation is not None or jax.device_count() != 1:
+    return None
+  try:
+    from pallas_kernels.delta_matmul import cpu_rows
+  except ImportError:
+    return None
+  return cpu_rows.rows_call if cpu_rows.usable(rows, x_dtype, w_dtype) else None
+
+
 def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
   """``x · W`` for the base path on one CPU device: the small-M kernels of
   `pallas_kernels.small_matmul` (2-16 f32 rows), and for bf16 x and W `cpu_bf16.dense` (its
@@ -253,10 +265,32 @@ class DeltaDense(nnx.Module):
   def has_bank(self) -> bool:
     return self.delta_bits is not None
 
+  def _few_rows(self, rows_call, x_BxTxK, kernel, slot_ids):
+    """A decode step's rows on one CPU device: base and every slot's delta in one native pass
+    (`pallas_kernels.delta_matmul.cpu_rows`), no ``lax.cond``; LoRA slots on top."""
+    b, t, k = x_BxTxK.shape
+    x = x_BxTxK.reshape(b * t, k)
+    if self.has_bank and slot_ids is not None:
+      ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
+      y = rows_call(x, kernel, self.delta_bits[...], self.delta_scale[...], ids,
+                    group_k=self.group_k)
+    else:
+      y = rows_call(x, kernel)
+    y = y.reshape(b, t, self.out_features)
+    if self.lora_a is not None and slot_ids is not None:
+      y = jax.lax.cond(jnp.any(slot_ids > 0),
+                       lambda y: y + _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...],
+                                                 slot_ids),
+                       lambda y: y, y)
+    return y.astype(x_BxTxK.dtype)
+
   def __call__(self, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     kernel = self.kernel[...]
     b, t, k = x_BxTxK.shape
-    if self.has_bank and slot_ids is not None:
+    rows = _rows_kernel(b * t, x_BxTxK.dtype, kernel.dtype, self.implementation)
+    if rows is not None:
+      y = self._few_rows(rows, x_BxTxK, kernel, slot_ids)
+    elif self.has_bank and slot_ids is not None:
 
       def with_deltas(x_BxTxK):
         ids = jnp.repeat(slot_ids.astype(jnp.int32), t)

@@ -1,0 +1,95 @@
+"""CPU path for a few rows (decode steps): the base product and every slot's delta in one pass.
+
+Why: a decode step multiplies a handful of rows by every weight matrix, so its time is the time
+to read the weights. ``cpu_rows_kernel.cc`` streams W once per call with all cores (each thread
+one contiguous block of K rows) and, for each slot present in the batch, turns the W tile into
+``W + α ⊙ S`` in registers from the slot's bit plane: a variant costs its bits (1/32 of f32 W),
+not a second kernel, and a batch of base rows needs no ``lax.cond`` around it. f32 or bf16 W
+(bf16 widened exactly); x and y f32. `DeltaDense` takes it for up to `MAX_ROWS` rows on one CPU
+device (bench/results/cpu_decode.md); prefill chunks keep XLA's GEMM + `cpu.fused_call` or
+`cpu.merged_call`.
+
+Numerics: ``W + α⊙S`` rounded once to f32 per element, f32 products and sums in another order
+than `reference.delta_matmul_reference` (agrees to rounding). Backend: host CPU; built on first
+use like `cpu.py` (``g++ -O3 -march=native``, the shared pool, ``$BITDELTA_CPU_THREADS``);
+``BITDELTA_CPU_ROWS=0`` turns it off (read when a program is traced).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bitdelta_jax import native
+
+MAX_ROWS = 16
+_SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
+_TARGET = "bitdelta_delta_rows"
+
+
+def _build(arch: tuple[str, ...] | None = None):
+  return native.build(_SOURCE, "delta_rows", include_dirs=(jax.ffi.include_dir(),),
+                      key_extra=jax.__version__.encode(), arch=arch)
+
+
+@functools.cache
+def _load() -> str | None:
+  """Builds and registers the kernel once; None, or why it cannot run here."""
+  lib, reason = _build()
+  if lib is None:
+    return f"the CPU rows kernel cannot be built: {reason}"
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaRows), platform="cpu")
+  return None
+
+
+def build_target(arch: tuple[str, ...], target: str) -> None:
+  """Builds the kernel with target flags ``arch`` (``()``: portable vectors, no AVX-512) and
+  registers it as ``target`` (pass it to `rows_call`): for tests of the paths this machine's
+  native build does not take."""
+  lib, reason = _build(arch)
+  if lib is None:
+    raise RuntimeError(f"the CPU rows kernel cannot be built with {arch}: {reason}")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaRows), platform="cpu")
+
+
+def usable(rows: int, x_dtype, w_dtype) -> bool:
+  """Whether `DeltaDense` should take this kernel for ``rows`` rows of x·W (traced shapes)."""
+  from pallas_kernels.platform import target_platform
+
+  if not 1 <= rows <= MAX_ROWS or os.environ.get("BITDELTA_CPU_ROWS") == "0":
+    return False
+  if jnp.dtype(w_dtype) not in (jnp.float32, jnp.bfloat16) or jnp.dtype(x_dtype) not in (
+      jnp.float32, jnp.bfloat16):
+    return False
+  return target_platform() == "cpu" and _load() is None
+
+
+def rows_call(x, w, bits=None, scale=None, slots=None, *, group_k: int = 8,
+              target: str = _TARGET) -> jax.Array:
+  """f32 ``[M, N]``: ``x·W`` plus, for each row m with ``slots[m] > 0``, ``α_s ⊙ (x[m]·S_s)``
+  (s = slots[m]; 0 = base only). x ``[M, K]``; W ``[K, N]`` f32 or bf16; bits ``[S, KP, N]``
+  uint8 in the group-local layout with ``group_k``; scale ``[S, N]`` (or ``[S, 1]``). Without a
+  bank (``bits`` None) it is the plain product."""
+  m, k = x.shape
+  n = w.shape[1]
+  if bits is None:
+    bits = jnp.zeros((1, -(-k // 8), n), jnp.uint8)
+    scale = jnp.zeros((1, n), jnp.float32)
+    slots = jnp.zeros((m,), jnp.int32)
+    group_k = -(-k // 8) * 8
+  if w.dtype not in (jnp.float32, jnp.bfloat16):
+    w = w.astype(jnp.float32)
+  scale = jnp.broadcast_to(scale.astype(jnp.float32), (bits.shape[0], n))
+  if target == _TARGET:
+    reason = _load()
+    if reason:
+      raise NotImplementedError(reason)
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  return call(x.astype(jnp.float32), w, bits.astype(jnp.uint8), scale, slots.astype(jnp.int32),
+              group_k=np.int64(group_k))

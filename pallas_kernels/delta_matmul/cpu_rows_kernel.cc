@@ -1,0 +1,321 @@
+// The whole 1-bit delta product for a few rows (decode steps) on the CPU, in one pass over W:
+//   y[m] = x[m] · W + α_s ⊙ (x[m] · S_s),   s = slots[m]; s <= 0: the base only.
+// W is f32 or bf16 [K, N]; S_s the slot's signs in the group-local bit-plane layout
+// (`bitdelta_jax/delta/format.py`: byte bits[s, g*P + p, n] holds in bit j the sign of row
+// g*G + j*P + p, P = G / 8); α_s one f32 per column; x, y f32.
+//
+// Why: a decode step reads every weight once for a handful of rows, so it is bound by memory
+// reads. Two things kept the earlier path (XLA's dot, then a separate delta kernel under a
+// `lax.cond`) well under the bandwidth at 1-16 rows: XLA's dot falls to ~40% of it from 2 rows,
+// and the delta kernel's fixed costs (tables, a second call, the cond) cost 10x its bytes.
+// Here the K rows are split across the pool's threads, so each thread streams one contiguous
+// block of W front to back (the hardware prefetchers' best case), KB rows of K at a time across
+// all N columns. For each group of rows — the base rows, then each slot present — the KB x 16
+// tile of W is turned in registers into W + α_s ⊙ S_s (one blend per 16 weights, selected by the
+// slot's bits) and multiplied into the group's rows: a slot present costs its bit plane's bytes
+// (1/32 of f32 W) and a few vector operations per 16 weights, never a second pass.
+// Each thread sums into its own [M, N] partials (L1/L2-resident for the shapes of a decode
+// step); the caller adds them up.
+//
+// Numerics: W + α⊙S is rounded once to f32 per element (as the merged prefill kernel's expanded
+// panels), products and sums in f32 in another order than the reference (agrees to rounding).
+// bf16 W is widened exactly (a 16-bit shift). Vectors are GCC vector extensions: AVX-512 with
+// -march=native on such a CPU, AVX2/SSE halves elsewhere.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using bitdelta_native::Pool;
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+typedef uint16_t h16v __attribute__((vector_size(32)));
+typedef uint8_t b16v __attribute__((vector_size(16)));
+
+constexpr int kKB = 4;  // rows of W per step (KB row streams per thread)
+
+inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
+inline v16 load16(const uint16_t* p) {
+  h16v h;
+  std::memcpy(&h, p, 32);
+  u16v u = __builtin_convertvector(h, u16v) << 16;
+  v16 f;
+  std::memcpy(&f, &u, 64);
+  return f;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) {
+  uint32_t u = uint32_t(*p) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// the sign bit of row k in a column's packed byte: (byte row, bit) in the group-local layout
+inline void bit_of(int64_t k, int64_t G, int64_t* byte_row, int* bit) {
+  const int64_t P = G / 8, g = k / G, r = k % G;
+  *byte_row = g * P + r % P;
+  *bit = int(r / P);
+}
+
+// A group of rows sharing a slot (slot 0: the base rows).
+struct Group {
+  int64_t slot;
+  std::vector<int64_t> rows;
+};
+
+struct Args {
+  const float* x;       // [M, K]
+  const uint8_t* bits;  // [S, KP, N]
+  const float* scale;   // [S, N]
+  int64_t M, K, N, KP, G;
+  const std::vector<Group>* groups;
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+inline __m512 load16v(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16v(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// acc[rows, 0:n16] (+)= x[rows, k:k+kKB] · (W + α⊙S)[k:k+kKB, 0:n16] for R rows of one group
+// (slot <= 0: W itself), 16 columns at a time: the R·kKB broadcasts of x stay in registers, and
+// for a slot each W vector becomes W ± α by a blend selected straight from the slot's packed
+// bytes (`vptestmb`).
+template <int R, typename T>
+void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16, int64_t slot,
+            const int64_t* rows, const uint8_t* const* brow, const uint32_t* bmask,
+            const T* next) {
+  const int64_t N = a.N, K = a.K;
+  __m512 xb[R][kKB];
+  float* ar[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    ar[i] = acc + rows[i] * N;
+#pragma GCC unroll 4
+    for (int j = 0; j < kKB; ++j) xb[i][j] = _mm512_set1_ps(a.x[rows[i] * K + k + j]);
+  }
+  __m128i bm[kKB];
+  if (slot > 0)
+    for (int j = 0; j < kKB; ++j) bm[j] = _mm_set1_epi8(char(bmask[j]));
+  for (int64_t n = 0; n < n16; n += 16) {
+    __m512 we[kKB];
+#pragma GCC unroll 4
+    for (int j = 0; j < kKB; ++j) we[j] = load16v(w + (k + j) * N + n);
+    // the next step's rows, a step ahead (the first pass over this step's rows only)
+    if (next != nullptr && (n * sizeof(T)) % 64 == 0)
+#pragma GCC unroll 4
+      for (int j = 0; j < kKB; ++j) _mm_prefetch((const char*)(next + j * N + n), _MM_HINT_T0);
+    if (slot > 0) {
+      const __m512 al = _mm512_loadu_ps(a.scale + slot * N + n);
+      const __m512 nal = _mm512_sub_ps(_mm512_setzero_ps(), al);
+#pragma GCC unroll 4
+      for (int j = 0; j < kKB; ++j) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[j] + n));
+        we[j] = _mm512_add_ps(we[j], _mm512_mask_blend_ps(_mm_test_epi8_mask(b, bm[j]), nal, al));
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      __m512 s = _mm512_loadu_ps(ar[i] + n);
+#pragma GCC unroll 4
+      for (int j = 0; j < kKB; ++j) s = _mm512_fmadd_ps(xb[i][j], we[j], s);
+      _mm512_storeu_ps(ar[i] + n, s);
+    }
+  }
+}
+
+template <typename T>
+void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
+            const uint8_t* const* brow, const uint32_t* bmask) {
+  const int ng = int(a.groups->size());
+  for (int gi = 0; gi < ng; ++gi) {
+    const Group& g = (*a.groups)[gi];
+    const int64_t* rows = g.rows.data();
+    const int64_t nr = int64_t(g.rows.size());
+    const uint8_t* const* br = brow + gi * kKB;
+    const uint32_t* bm = bmask + gi * kKB;
+    for (int64_t i = 0; i < nr; i += 4) {
+      const T* next = gi == 0 && i == 0 && k + 2 * kKB <= a.K ? w + (k + kKB) * a.N : nullptr;
+      switch (std::min<int64_t>(4, nr - i)) {
+        case 1: Rows16<1>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
+        case 2: Rows16<2>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
+        case 3: Rows16<3>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
+        default: Rows16<4>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
+      }
+    }
+  }
+}
+#else
+// portable: the same with GCC vector extensions (AVX2/SSE halves)
+template <typename T>
+void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
+            const uint8_t* const* brow, const uint32_t* bmask) {
+  const int64_t N = a.N, K = a.K;
+  const int ng = int(a.groups->size());
+  for (int64_t n = 0; n < n16; n += 16) {
+    v16 wv[kKB];
+    for (int j = 0; j < kKB; ++j) wv[j] = load16(w + (k + j) * N + n);
+    for (int gi = 0; gi < ng; ++gi) {
+      const Group& g = (*a.groups)[gi];
+      v16 we[kKB];
+      if (g.slot <= 0) {
+        for (int j = 0; j < kKB; ++j) we[j] = wv[j];
+      } else {
+        const v16 al = load16(a.scale + g.slot * N + n);
+        for (int j = 0; j < kKB; ++j) {
+          b16v b;
+          std::memcpy(&b, brow[gi * kKB + j] + n, 16);
+          const u16v bw = __builtin_convertvector(b, u16v);
+          const i16v pos = (bw & bmask[gi * kKB + j]) != 0;
+          we[j] = pos ? wv[j] + al : wv[j] - al;
+        }
+      }
+      for (int64_t r : g.rows) {
+        const float* xr = a.x + r * K + k;
+        float* ar = acc + r * N + n;
+        v16 s = load16(ar);
+        for (int j = 0; j < kKB; ++j) s += xr[j] * we[j];
+        store16(ar, s);
+      }
+    }
+  }
+}
+#endif
+
+// acc[r] (+)= x[r, k0:k1] · (W + α⊙S)[k0:k1, :] for every row r of every group.
+template <typename T>
+void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
+  const int64_t N = a.N, K = a.K, n16 = N / 16 * 16;
+  std::fill(acc, acc + a.M * N, 0.f);
+  // per slot group: the byte row and bit of each of a step's kKB rows of K
+  thread_local std::vector<const uint8_t*> brow_v;
+  thread_local std::vector<uint32_t> bmask_v;
+  brow_v.resize(a.groups->size() * kKB);
+  bmask_v.resize(a.groups->size() * kKB);
+  const uint8_t** brow = brow_v.data();
+  uint32_t* bmask = bmask_v.data();
+  int64_t k = k0;
+  for (; k < k1; k += kKB) {
+    const int kb = int(std::min<int64_t>(kKB, k1 - k));
+    // per slot group: the byte row and bit mask of each of the kb rows
+    const int ng = int(a.groups->size());
+    for (int gi = 0; gi < ng; ++gi) {
+      const Group& g = (*a.groups)[gi];
+      if (g.slot <= 0) continue;
+      for (int j = 0; j < kb; ++j) {
+        int64_t br;
+        int bit;
+        bit_of(k + j, a.G, &br, &bit);
+        brow[gi * kKB + j] = a.bits + (g.slot * a.KP + br) * N;
+        bmask[gi * kKB + j] = 1u << bit;
+      }
+    }
+    if (kb == kKB) Step16(a, w, acc, k, n16, brow, bmask);
+    // the columns past the last full vector (all columns for a short last block of K)
+    for (int j = 0; j < kb; ++j)
+      for (int gi = 0; gi < ng; ++gi) {
+        const Group& g = (*a.groups)[gi];
+        for (int64_t n = kb == kKB ? n16 : 0; n < N; ++n) {
+          float we = load1(w + (k + j) * N + n);
+          if (g.slot > 0) {
+            const float al = a.scale[g.slot * N + n];
+            we = (brow[gi * kKB + j][n] & bmask[gi * kKB + j]) ? we + al : we - al;
+          }
+          for (int64_t r : g.rows) acc[r * N + n] += a.x[r * K + k + j] * we;
+        }
+      }
+  }
+}
+
+template <typename T>
+ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* scale,
+               const int32_t* slots, float* y, int64_t M, int64_t K, int64_t N, int64_t S,
+               int64_t KP, int64_t G) {
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  std::vector<Group> groups;
+  groups.push_back({0, {}});
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t s = slots[m];
+    if (s >= S) return ffi::Error::InvalidArgument("delta_rows: a slot id is past the bank");
+    if (s <= 0) { groups[0].rows.push_back(m); continue; }
+    auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.slot == s; });
+    if (it == groups.end()) groups.push_back({s, {m}});
+    else it->rows.push_back(m);
+  }
+  if (groups[0].rows.empty()) groups.erase(groups.begin());
+  Pool& pool = Pool::get();
+  const int64_t work = M * K * N;
+  int chunks = work < (int64_t(1) << 16) ? 1 : pool.size();
+  // K split into contiguous blocks of whole KB steps
+  int64_t per = (K + chunks - 1) / chunks;
+  per = (per + kKB - 1) / kKB * kKB;
+  chunks = int((K + per - 1) / per);
+  thread_local std::vector<float> scratch;  // the partials of chunks 1.. (chunk 0's: y)
+  const int64_t part = M * N;
+  if (int64_t(scratch.size()) < (chunks - 1) * part) scratch.resize((chunks - 1) * part);
+  float* parts = scratch.data();
+  const Args a{x, bits, scale, M, K, N, KP, G, &groups};
+  pool.run([&](int c) {
+    const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
+    Chunk<T>(a, w, c == 0 ? y : parts + (c - 1) * part, k0, k1);
+  }, chunks);
+  for (int c = 1; c < chunks; ++c) {
+    const float* p = parts + (c - 1) * part;
+    for (int64_t i = 0; i < part; ++i) y[i] += p[i];
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::U8> bits,
+                ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> slots,
+                ffi::ResultBuffer<ffi::F32> y, int64_t group_k) {
+  auto xd = x.dimensions();
+  auto wd = w.dimensions();
+  auto bd = bits.dimensions();
+  auto sd = scale.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[0] != xd[1])
+    return ffi::Error::InvalidArgument("delta_rows: expected x[M,K] and W[K,N]");
+  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (bd.size() != 3 || bd[2] != N || bd[1] * 8 < K || sd.size() != 2 || sd[0] != bd[0] ||
+      sd[1] != N || slots.dimensions().size() != 1 || slots.dimensions()[0] != M)
+    return ffi::Error::InvalidArgument(
+        "delta_rows: expected bits[S,KP,N], scale[S,N] and slots[M] matching x and W");
+  if (group_k <= 0 || group_k % 8 || bd[1] % (group_k / 8))
+    return ffi::Error::InvalidArgument("delta_rows: group_k must be a multiple of 8 dividing 8*KP");
+  const float* xp = x.typed_data();
+  float* yp = y->typed_data();
+  if (w.element_type() == ffi::DataType::F32)
+    return Run(xp, static_cast<const float*>(w.untyped_data()), bits.typed_data(),
+               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k);
+  if (w.element_type() == ffi::DataType::BF16)
+    return Run(xp, static_cast<const uint16_t*>(w.untyped_data()), bits.typed_data(),
+               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k);
+  return ffi::Error::InvalidArgument("delta_rows: W must be f32 or bf16");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaRows, Impl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()         // W [K, N] f32 | bf16
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // bits [S, KP, N]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // scale [S, N]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("group_k"));
