@@ -82,7 +82,9 @@ struct Args {
   const uint8_t* bits;  // [S, KP, N]
   const float* scale;   // [S, N]
   int64_t M, K, N, KP, G;
-  const std::vector<Group>* groups;
+  const std::vector<Group>* groups;  // the W pass: base rows, then slots blended into W
+  const std::vector<Group>* lut;     // slots with few rows: their rows are in the base group,
+                                     // their delta added by `LutDelta`
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -160,7 +162,70 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
     }
   }
 }
+
+// A slot with at most this many rows adds its delta by table lookups (`LutDelta`) instead of
+// blending W ± α for the W pass (per 8 rows of K and 16 columns: ~3 vector operations per slot
+// and ~6 per row, against ~32 per slot for the blend).
+constexpr int64_t kLutMaxRows = 4;
+
+// acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1]) for the rows of each slot in `a.lut`; k0, k1 on
+// group boundaries. x·S = 2·x·B − Σx (B the 0/1 bits): per packed byte row (8 rows of K, bit j
+// of the byte for row g*G + j*P + p) each row gets two 16-entry tables of 2·Σ x over the set
+// bits of a nibble, and `vpermps` looks up 16 columns' nibbles at once.
+void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
+  const int64_t N = a.N, K = a.K, G = a.G, P = G / 8, n16 = N / 16 * 16;
+  thread_local std::vector<float> dsum;
+  for (const Group& g : *a.lut) {
+    const int64_t nr = int64_t(g.rows.size());
+    dsum.assign(nr * N, 0.f);
+    float* d = dsum.data();
+    for (int64_t gk = k0; gk < k1; gk += G)
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t byte_row = gk / G * P + p;
+        const uint8_t* b = a.bits + (g.slot * a.KP + byte_row) * N;
+        __m512 tlo[kLutMaxRows], thi[kLutMaxRows];
+        for (int64_t i = 0; i < nr; ++i) {
+          __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+          const __mmask16 lane_bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
+          for (int j = 0; j < 8; ++j) {
+            const int64_t k = gk + j * P + p;
+            const float v = k < K ? 2.f * a.x[g.rows[i] * K + k] : 0.f;
+            if (j < 4) lo = _mm512_mask_add_ps(lo, lane_bit[j], lo, _mm512_set1_ps(v));
+            else hi = _mm512_mask_add_ps(hi, lane_bit[j - 4], hi, _mm512_set1_ps(v));
+          }
+          tlo[i] = lo;
+          thi[i] = hi;
+        }
+        for (int64_t n = 0; n < n16; n += 16) {
+          const __m512i il = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + n)));
+          const __m512i ih = _mm512_srli_epi32(il, 4);
+          for (int64_t i = 0; i < nr; ++i) {
+            __m512 s = _mm512_loadu_ps(d + i * N + n);
+            s = _mm512_add_ps(s, _mm512_add_ps(_mm512_permutexvar_ps(il, tlo[i]),
+                                               _mm512_permutexvar_ps(ih, thi[i])));
+            _mm512_storeu_ps(d + i * N + n, s);
+          }
+        }
+        for (int64_t n = n16; n < N; ++n)
+          for (int j = 0; j < 8; ++j) {
+            const int64_t k = gk + j * P + p;
+            if (k < K && (b[n] >> j) & 1)
+              for (int64_t i = 0; i < nr; ++i) d[i * N + n] += 2.f * a.x[g.rows[i] * K + k];
+          }
+      }
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t r = g.rows[i];
+      float total = 0.f;
+      for (int64_t k = k0; k < std::min(k1, K); ++k) total += a.x[r * K + k];
+      const float* al = a.scale + g.slot * N;
+      for (int64_t n = 0; n < N; ++n) acc[r * N + n] += al[n] * (d[i * N + n] - total);
+    }
+  }
+}
 #else
+constexpr int64_t kLutMaxRows = 0;  // the portable build blends every slot
+void LutDelta(const Args&, float*, int64_t, int64_t) {}
+
 // portable: the same with GCC vector extensions (AVX2/SSE halves)
 template <typename T>
 void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
@@ -240,6 +305,7 @@ void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
         }
       }
   }
+  if (!a.lut->empty()) LutDelta(a, acc, k0, k1);
 }
 
 template <typename T>
@@ -257,19 +323,29 @@ ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* sca
     if (it == groups.end()) groups.push_back({s, {m}});
     else it->rows.push_back(m);
   }
+  // slots with few rows: rows in the base group's W pass, delta by lookups
+  std::vector<Group> lut;
+  for (size_t i = 1; i < groups.size();)
+    if (int64_t(groups[i].rows.size()) <= kLutMaxRows) {
+      groups[0].rows.insert(groups[0].rows.end(), groups[i].rows.begin(), groups[i].rows.end());
+      lut.push_back(std::move(groups[i]));
+      groups.erase(groups.begin() + i);
+    } else {
+      ++i;
+    }
   if (groups[0].rows.empty()) groups.erase(groups.begin());
   Pool& pool = Pool::get();
   const int64_t work = M * K * N;
   int chunks = work < (int64_t(1) << 16) ? 1 : pool.size();
-  // K split into contiguous blocks of whole KB steps
+  // K split into contiguous blocks of whole groups of G rows (G a multiple of 8 >= kKB)
   int64_t per = (K + chunks - 1) / chunks;
-  per = (per + kKB - 1) / kKB * kKB;
+  per = (per + G - 1) / G * G;
   chunks = int((K + per - 1) / per);
   thread_local std::vector<float> scratch;  // the partials of chunks 1.. (chunk 0's: y)
   const int64_t part = M * N;
   if (int64_t(scratch.size()) < (chunks - 1) * part) scratch.resize((chunks - 1) * part);
   float* parts = scratch.data();
-  const Args a{x, bits, scale, M, K, N, KP, G, &groups};
+  const Args a{x, bits, scale, M, K, N, KP, G, &groups, &lut};
   pool.run([&](int c) {
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
     Chunk<T>(a, w, c == 0 ? y : parts + (c - 1) * part, k0, k1);
