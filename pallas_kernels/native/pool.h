@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -61,6 +62,7 @@ class Pool {
       std::lock_guard<std::mutex> lk(mu_);
       job_ = &f; njobs_ = n; done_ = 0; gen = ++gen_;
       next_.store((gen & 0xffffffffu) << 32);
+      published_.store(gen, std::memory_order_release);
     }
     cv_.notify_all();
     int i, mine = 0;
@@ -83,6 +85,7 @@ class Pool {
     int n = int(std::thread::hardware_concurrency());
     if (const char* env = std::getenv("BITDELTA_CPU_THREADS")) n = std::atoi(env);
     n = std::max(1, std::min(n, 64));
+    if (const char* env = std::getenv("BITDELTA_CPU_SPIN_US")) spin_us_ = std::max(0, std::atoi(env));
     for (int i = 1; i < n; ++i) std::thread([this] { loop(); }).detach();
     workers_ = n - 1;
   }
@@ -99,6 +102,13 @@ class Pool {
     for (;;) {
       const std::function<void(int)>* job;
       int n;
+      // A decode step calls the kernels a few hundred times, microseconds apart: spin a while
+      // for the next run before sleeping (a futex wake-up costs more than a small call's work).
+      const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(spin_us_);
+      for (int spin = 0; published_.load(std::memory_order_acquire) == seen; ++spin) {
+        pause();
+        if (spin % 16 == 0 && std::chrono::steady_clock::now() > until) break;
+      }
       {
         std::unique_lock<std::mutex> lk(mu_);
         cv_.wait(lk, [&] { return gen_ != seen; });
@@ -121,6 +131,13 @@ class Pool {
   std::condition_variable cv_, done_cv_;
   const std::function<void(int)>* job_ = nullptr;
   std::atomic<uint64_t> next_{0};
+  std::atomic<uint64_t> published_{0};  // gen_, readable without the lock (for the spin)
+  int spin_us_ = 50;  // $BITDELTA_CPU_SPIN_US
+  static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
   int njobs_ = 0, done_ = 0;
   uint64_t gen_ = 0;
 };
