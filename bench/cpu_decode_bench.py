@@ -150,12 +150,14 @@ def bandwidth(work: pathlib.Path, model_bytes: dict, reps: int) -> dict:
 
 
 # -- kernels ------------------------------------------------------------------------------------
-def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
+def kernel_gbps(rounds: int, rows=(1, 8, 16), layers: int = 30) -> list[dict]:
   """GB/s of the weight bytes each CPU kernel reads over ``layers`` SmolLM2 layers' 7 linear
   layers (distinct copies, so nothing stays in L2): XLA's f32 dot, the f32 small-M kernel,
-  XLA's bf16 dot (f32 sums), the bf16 kernel, and the 1-bit delta term alone (the
-  `delta_matmul` CPU kernel, rows in one slot, or for 8 rows spread over 3 slots; its bytes are
-  the bit planes and scales of the slots present) and added to XLA's f32 dot."""
+  XLA's bf16 dot (f32 sums), the bf16 kernel, the 1-bit delta term alone (the `delta_matmul`
+  CPU kernel, rows in one slot, or spread over 3 slots; its bytes are the bit planes and scales
+  of the slots present) and added to XLA's f32 dot; and the few-rows kernel the model uses
+  (`cpu_rows`: base + deltas in one pass) with f32 and bf16 W, base rows, rows in one slot,
+  over 3 slots, and at 16 rows over 14 slots (its bytes: W's plus the slots' bits and scales)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -163,6 +165,7 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
 
   from bitdelta_jax.delta.format import group_k_for, pack
   from pallas_kernels.delta_matmul import cpu as delta_cpu
+  from pallas_kernels.delta_matmul import cpu_rows
   from pallas_kernels.small_matmul import cpu as small
   from pallas_kernels.small_matmul.cpu_bf16 import small_matmul_bf16
 
@@ -170,7 +173,7 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
   one = [rng.standard_normal(s, dtype=np.float32) * 0.02 for s in SHAPES]
   w32 = [jnp.asarray(one[i % 7].copy()) for i in range(7 * layers)]
   w16 = [w.astype(jnp.bfloat16) for w in w32]
-  n_slots = 4
+  n_slots = 15  # slot 0 unused (the base), 14 variants
   banks = []
   for k, n in SHAPES:
     g = group_k_for(k)
@@ -187,6 +190,10 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
     return [delta_cpu.fused_call(x, b, s, sl, jnp.zeros((x.shape[0], b.shape[-1]), jnp.float32),
                                  group_k=g) for x, b, s, g in zip(xs, bs, ss, groups)]
 
+  def rows_kernel(xs, ws, bs, ss, sl):
+    return [cpu_rows.rows_call(x, w, b, s, sl, group_k=g)
+            for x, w, b, s, g in zip(xs, ws, bs, ss, groups)]
+
   def dot_delta(xs, ws, bs, ss, sl):
     return [delta_cpu.fused_call(x, b, s, sl, jnp.dot(x, w), group_k=g)
             for x, w, b, s, g in zip(xs, ws, bs, ss, groups)]
@@ -196,7 +203,8 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
          "xla_bf16": jax.jit(lambda xs, ws: [jnp.dot(x, w, preferred_element_type=jnp.float32)
                                              for x, w in zip(xs, ws)]),
          "kernel_bf16": jax.jit(lambda xs, ws: [small_matmul_bf16(x, w) for x, w in zip(xs, ws)]),
-         "delta": jax.jit(delta_term), "xla_f32+delta": jax.jit(dot_delta)}
+         "delta": jax.jit(delta_term), "xla_f32+delta": jax.jit(dot_delta),
+         "rows": jax.jit(rows_kernel)}
   out = []
   for m in rows:
     x32 = [jnp.asarray(rng.standard_normal((m, k), dtype=np.float32)) for k, _ in SHAPES * layers]
@@ -204,6 +212,8 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
     layouts = {"one": (jnp.ones((m,), jnp.int32), 1)}
     if m >= 3:
       layouts["3 slots"] = (jnp.asarray(1 + np.arange(m) % 3, jnp.int32), 3)
+    if m >= 14:
+      layouts["14 slots"] = (jnp.asarray(1 + np.arange(m) % 14, jnp.int32), 14)
     calls, nbytes = {}, {}
 
     def add(name, fn, args, nb, calls=calls, nbytes=nbytes):
@@ -214,6 +224,13 @@ def kernel_gbps(rounds: int, rows=(1, 8), layers: int = 30) -> list[dict]:
       add("small_f32", fns["small_f32"], (x32, w32), 4 * weights)
     add("xla_bf16", fns["xla_bf16"], (x16, w16), 2 * weights)
     add("kernel_bf16", fns["kernel_bf16"], (x16, w16), 2 * weights)
+    if cpu_rows.usable(m, jnp.float32, jnp.float32):
+      base_rows = jnp.zeros((m,), jnp.int32)
+      add("rows_f32", fns["rows"], (x32, w32, bits, scales, base_rows), 4 * weights)
+      add("rows_bf16", fns["rows"], (x16, w16, bits, scales, base_rows), 2 * weights)
+      for lay, (sl, present) in layouts.items():
+        add(f"rows_f32+delta ({lay})", fns["rows"], (x32, w32, bits, scales, sl),
+            4 * weights + present * slot_bytes)
     if delta_cpu.unavailable_reason() is None:
       for lay, (sl, present) in layouts.items():
         add(f"delta ({lay})", fns["delta"], (x32, bits, scales, sl), present * slot_bytes)
@@ -480,19 +497,19 @@ def _reason(key: str, res: dict) -> str:
     return (f"bf16 {_ms_per_token(m['srv_bf16']['tok_s']):.1f} ms/token vs f32 "
             f"{_ms_per_token(m['srv_f32']['tok_s']):.1f}; weight bytes {mb['bf16'] / 1e6:.0f} "
             f"vs {mb['f32'] / 1e6:.0f} MB (floors {floor(mb['bf16'])} vs {floor(mb['f32'])}); "
-            + _kernel_note(res, 1, ("kernel_bf16", "xla_f32")))
+            + _kernel_note(res, 1, ("rows_bf16", "rows_f32", "xla_f32")))
   if key == "c8_vs_hf":
     return (f"8 rows: ours {8e3 / m['srv_c8']['tok_s']:.1f} ms per step of 8 tokens, "
             f"transformers {8e3 / m['hf_b8']['tok_s']:.1f} ms; one stream ours "
             f"{_ms_per_token(m['srv_f32']['tok_s']):.1f} ms, so 8 rows cost "
             f"{8 * m['srv_f32']['tok_s'] / m['srv_c8']['tok_s']:.2f}x one; "
-            + _kernel_note(res, 8, ("xla_f32", "small_f32")))
+            + _kernel_note(res, 8, ("rows_f32", "xla_f32", "small_f32")))
   if key == "variant_one_stream":
     extra = _ms_per_token(m["srv_var"]["tok_s"]) - _ms_per_token(m["srv_f32"]["tok_s"])
     return (f"the variant adds {extra:.2f} ms/token; its linear bit planes + scales "
             f"({mb['slot'] / 1e6:.1f} MB, and {mb.get('slot_embedding', 0) / 1e6:.1f} MB of 1-bit "
             f"embedding / LM head) at the measured bandwidth take {floor(mb['slot'])}; "
-            + _kernel_note(res, 1, ("delta (one)",)))
+            + _kernel_note(res, 1, ("rows_f32", "rows_f32+delta (one)")))
   if key == "variant_ttft":
     t = m["ttft"]
     return (f"TTFT of a ~{res.get('ttft_prompt_tokens', '?')}-token prompt: variant "
@@ -502,12 +519,12 @@ def _reason(key: str, res: dict) -> str:
     extra = 8e3 / m["srv_mix3"]["tok_s"] - 8e3 / m["srv_c8"]["tok_s"]
     return (f"+{extra:.1f} ms per 8-row step for 3 slots present (bit planes "
             f"{3 * mb['slot'] / 1e6:.1f} MB, {floor(3 * mb['slot'])} at the measured bandwidth); "
-            + _kernel_note(res, 8, ("delta (3 slots)",)))
+            + _kernel_note(res, 8, ("rows_f32", "rows_f32+delta (3 slots)")))
   if key == "mix14":
     extra = 16e3 / m["srv_mix14"]["tok_s"] - 16e3 / m["srv_c16"]["tok_s"]
     return (f"+{extra:.1f} ms per 16-row step for 14 slots present (bit planes "
             f"{14 * mb['slot'] / 1e6:.1f} MB, {floor(14 * mb['slot'])} at the measured "
-            "bandwidth)")
+            "bandwidth); " + _kernel_note(res, 16, ("rows_f32", "rows_f32+delta (14 slots)")))
   return ""
 
 
