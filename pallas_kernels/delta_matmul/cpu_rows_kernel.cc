@@ -99,8 +99,8 @@ inline __m512 load16v(const uint16_t* p) {
 // for a slot each W vector becomes W ± α by a blend selected straight from the slot's packed
 // bytes (`vptestmb`).
 template <int R, typename T>
-void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16, int64_t slot,
-            const int64_t* rows, const uint8_t* const* brow, const uint32_t* bmask,
+void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n0, int64_t n1,
+            int64_t slot, const int64_t* rows, const uint8_t* const* brow, const uint32_t* bmask,
             const T* next) {
   const int64_t N = a.N, K = a.K;
   __m512 xb[R][kKB];
@@ -114,7 +114,7 @@ void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16, int64
   __m128i bm[kKB];
   if (slot > 0)
     for (int j = 0; j < kKB; ++j) bm[j] = _mm_set1_epi8(char(bmask[j]));
-  for (int64_t n = 0; n < n16; n += 16) {
+  for (int64_t n = n0; n < n1; n += 16) {
     __m512 we[kKB];
 #pragma GCC unroll 4
     for (int j = 0; j < kKB; ++j) we[j] = load16v(w + (k + j) * N + n);
@@ -141,23 +141,31 @@ void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16, int64
   }
 }
 
+// Columns per block: a block's partial sums for every row (16 rows x 256 x 4 B) and its kKB rows
+// of W stay in L1 while each group and block of rows passes over them.
+constexpr int64_t kColBlock = 256;
+
 template <typename T>
 void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
             const uint8_t* const* brow, const uint32_t* bmask) {
   const int ng = int(a.groups->size());
-  for (int gi = 0; gi < ng; ++gi) {
-    const Group& g = (*a.groups)[gi];
-    const int64_t* rows = g.rows.data();
-    const int64_t nr = int64_t(g.rows.size());
-    const uint8_t* const* br = brow + gi * kKB;
-    const uint32_t* bm = bmask + gi * kKB;
-    for (int64_t i = 0; i < nr; i += 4) {
-      const T* next = gi == 0 && i == 0 && k + 2 * kKB <= a.K ? w + (k + kKB) * a.N : nullptr;
-      switch (std::min<int64_t>(4, nr - i)) {
-        case 1: Rows16<1>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
-        case 2: Rows16<2>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
-        case 3: Rows16<3>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
-        default: Rows16<4>(a, w, acc, k, n16, g.slot, rows + i, br, bm, next); break;
+  for (int64_t n0 = 0; n0 < n16; n0 += kColBlock) {
+    const int64_t n1 = std::min(n16, n0 + kColBlock);
+    for (int gi = 0; gi < ng; ++gi) {
+      const Group& g = (*a.groups)[gi];
+      const int64_t* rows = g.rows.data();
+      const int64_t nr = int64_t(g.rows.size());
+      const uint8_t* const* br = brow + gi * kKB;
+      const uint32_t* bm = bmask + gi * kKB;
+      for (int64_t i = 0; i < nr; i += 4) {
+        // the first pass over the block prefetches the next step's rows
+        const T* next = gi == 0 && i == 0 && k + 2 * kKB <= a.K ? w + (k + kKB) * a.N : nullptr;
+        switch (std::min<int64_t>(4, nr - i)) {
+          case 1: Rows16<1>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          case 2: Rows16<2>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          case 3: Rows16<3>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          default: Rows16<4>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+        }
       }
     }
   }
