@@ -145,6 +145,45 @@ def test_merged_matches_numpy(case):
       )
 
 
+@pytest.mark.parametrize("layout", ["one slot", "one slot, few base rows", "one slot, many base",
+                                    "two slots"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] >= cpu.MERGED_MIN_ROWS],
+                         ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}")
+def test_many_rows_of_one_slot_take_xlas_dot_on_the_expanded_weight(case, layout):
+  """`delta_matmul_cpu` for many f32 rows: one variant slot (base rows up to a quarter) runs
+  XLA's dot on W + α⊙S (then undoes the base rows' delta); anything else the merged kernel.
+  Both against numpy; the program holds both branches, chosen at run time."""
+  m, k, n, group_k, gran = case
+  rng = np.random.default_rng(m + k + n + 2)
+  g, bits, scale, signs = _bank(k, n, group_k, gran, rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  ids = np.full(m, 2, np.int32)  # the API's slot ids: 0 is the base
+  if layout == "one slot, few base rows":
+    ids[:: max(5, m // 8)] = 0
+  elif layout == "one slot, many base":
+    ids[: m // 2] = 0
+  elif layout == "two slots":
+    ids[::3] = 4
+  want = _want(x, x.astype(np.float64) @ w.astype(np.float64), scale, signs,
+               np.where(ids == 0, -1, ids))
+  f = jax.jit(lambda *a: cpu.delta_matmul_cpu(*a, group_k=g))
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bits), jnp.asarray(scale), jnp.asarray(ids))
+  hlo = f.lower(*args).as_text()
+  assert "bitdelta_delta_expand" in hlo and "bitdelta_delta_matmul_merged" in hlo
+  np.testing.assert_allclose(np.asarray(f(*args)), want, rtol=RTOL, atol=ATOL, err_msg=layout)
+
+
+def test_expanded_weight_is_w_plus_alpha_signs():
+  rng = np.random.default_rng(11)
+  g, bits, scale, signs = _bank(200, 72, 128, "column", rng)
+  w = rng.standard_normal((200, 72)).astype(np.float32)
+  for s in (0, 3):
+    got = cpu.expand_call(jnp.asarray(w), jnp.asarray(bits), jnp.asarray(scale),
+                          jnp.asarray(s, jnp.int32), group_k=g)
+    np.testing.assert_array_equal(np.asarray(got), (w + scale[s] * signs[s]).astype(np.float32))
+
+
 def test_strategies_mix_in_one_call():
   """A slot above the threshold (expand) beside slots below it (LUT) in one call."""
   rng = np.random.default_rng(3)

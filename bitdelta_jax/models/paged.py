@@ -433,6 +433,11 @@ class PagedGenerator:
           scored.append((s, q + 1, i))
       col += n
       u += k
+    # padding tokens take the last real token's slot: a prefill chunk of one variant's prompt
+    # then has no base rows for the many-row delta path to undo (`delta_matmul.cpu`); they
+    # read and write no page, and their outputs are never used
+    if 0 < n_tok < len(b.slot_ids):
+      b.slot_ids[n_tok:] = b.slot_ids[n_tok - 1]
     bk = sh.block_pages * ps
     b.blocks[:] = (-(-int(b.lane_len.max(initial=0)) // bk), -(-u // sh.block_pages))
     outputs = [s for s, _ in decode + prefill if id(s) in out_at]

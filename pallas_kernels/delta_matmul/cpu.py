@@ -57,6 +57,8 @@ def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str
 
 
 _MERGED_TARGET = "bitdelta_delta_matmul_merged"
+_EXPAND_SOURCE = pathlib.Path(__file__).with_name("cpu_expand_kernel.cc")
+_EXPAND_TARGET = "bitdelta_delta_expand"
 # f32 rows from which `delta_matmul_cpu` computes the whole product in the kernel
 # (`merged_call`) instead of XLA's GEMM + the delta kernel (bench/results/cpu_delta.md).
 MERGED_MIN_ROWS = 32
@@ -72,6 +74,13 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
   jax.ffi.register_ffi_target(
     _MERGED_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
   )
+  expand, reason = native.build(_EXPAND_SOURCE, "delta_expand",
+                                include_dirs=(jax.ffi.include_dir(),),
+                                key_extra=jax.__version__.encode())
+  if expand is None:
+    return None, f"the CPU expand kernel cannot be built: {reason}"
+  jax.ffi.register_ffi_target(
+    _EXPAND_TARGET, jax.ffi.pycapsule(expand.BitdeltaDeltaExpand), platform="cpu")
   return lib, None
 
 
@@ -189,6 +198,45 @@ def merged_call(
   )
 
 
+def expand_call(w_base, bits, scale, slot, *, group_k: int) -> jax.Array:
+  """``W_base + α_s ⊙ S_s`` for the one slot ``slot`` (an int32 scalar array), f32 ``[K, N]``
+  (``cpu_expand_kernel.cc``)."""
+  call = jax.ffi.ffi_call(_EXPAND_TARGET, jax.ShapeDtypeStruct(w_base.shape, jnp.float32),
+                          vmap_method="sequential")
+  n = w_base.shape[1]
+  return call(w_base.astype(jnp.float32), bits.astype(jnp.uint8),
+              jnp.broadcast_to(scale.astype(jnp.float32), (bits.shape[0], n)),
+              jnp.reshape(slot, (1,)).astype(jnp.int32), group_k=np.int64(group_k))
+
+
+# At most this share of a many-row product's rows may be base rows for the one-slot prefill path
+# (their delta is subtracted again, by `fused_call`).
+EXPAND_MAX_BASE_SHARE = 0.25
+
+
+def _one_slot_or_merged(x, w_base, bank, scales, slots, *, group_k: int) -> jax.Array:
+  """Many f32 rows. When the variant rows all use one slot s and base rows are few (a prefill
+  chunk of one variant's prompt): XLA's dot on ``W_eff = W + α_s⊙S_s`` (`expand_call`), then
+  the base rows' delta subtracted again (``fused_call`` with −α). Otherwise `merged_call`. A
+  ``lax.cond`` picks at run time."""
+  s = jnp.max(slots)
+  base_rows = slots < 0
+  one_slot = (s >= 0) & jnp.all(base_rows | (slots == s)) & (
+    jnp.sum(base_rows) <= EXPAND_MAX_BASE_SHARE * slots.shape[0])
+
+  def expanded(x):
+    y = jnp.dot(x, expand_call(w_base, bank, scales, s, group_k=group_k))
+    undo = jnp.where(base_rows, s, -1).astype(jnp.int32)
+    return jax.lax.cond(jnp.any(base_rows),
+                        lambda y: fused_call(x, bank, -scales, undo, y, group_k=group_k),
+                        lambda y: y, y)
+
+  def merged(x):
+    return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
+
+  return jax.lax.cond(one_slot, expanded, merged, x)
+
+
 def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> jax.Array:
   """y = x·W_base + α ⊙ (x·S); see `api.delta_matmul`. ``group_k`` is the group size in use."""
   reason = unavailable_reason() or shapes_supported(
@@ -204,7 +252,9 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
     slots = jnp.where(slot_ids == 0, -1, slot_ids).astype(jnp.int32)  # slot 0: base only
   f32 = x.dtype == w_base.dtype == jnp.float32
   if f32 and x.shape[0] >= MERGED_MIN_ROWS and os.environ.get("BITDELTA_CPU_MERGED") != "0":
-    return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
+    if os.environ.get("BITDELTA_CPU_EXPAND") == "0":
+      return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
+    return _one_slot_or_merged(x, w_base, bank, scales, slots, group_k=group_k)
   from pallas_kernels.small_matmul.cpu import dense_f32
 
   # f32 rows: the f32 small-M kernel for 2-16 rows; bf16 x and W_base: `cpu_bf16.dense` (exact
