@@ -174,7 +174,10 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
 // A slot with at most this many rows adds its delta by table lookups (`LutDelta`) instead of
 // blending W ± α for the W pass (per 8 rows of K and 16 columns: ~3 vector operations per slot
 // and ~6 per row, against ~32 per slot for the blend).
-constexpr int64_t kLutMaxRows = 4;
+#ifndef BITDELTA_LUT_MAX_ROWS
+#define BITDELTA_LUT_MAX_ROWS 4
+#endif
+constexpr int64_t kLutMaxRows = BITDELTA_LUT_MAX_ROWS;
 
 // acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1]) for the rows of each slot in `a.lut`; k0, k1 on
 // group boundaries. x·S = 2·x·B − Σx (B the 0/1 bits): per packed byte row (8 rows of K, bit j
