@@ -105,3 +105,18 @@ def test_usable_only_for_a_few_float_rows(monkeypatch):
   assert not cpu_rows.usable(4, jnp.float32, jnp.int8)
   monkeypatch.setenv("BITDELTA_CPU_ROWS", "0")
   assert not cpu_rows.usable(1, jnp.float32, jnp.float32)
+
+
+def test_gradients_are_the_reference_formulas():
+  """Scale distillation differentiates a model's few-row forward: x, W and α get the reference
+  formula's gradients."""
+  g, x, w, bits, scale = _case(3, 70, 24, 3, seed=5)
+  slots = jnp.asarray([0, 2, 1], jnp.int32)
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(scale))
+  loss = lambda f: lambda x, w, a: jnp.sum(jnp.sin(f(x, w, a)))  # noqa: E731
+  got = jax.grad(loss(lambda x, w, a: cpu_rows.rows_call(x, w, jnp.asarray(bits), a, slots,
+                                                         group_k=g)), argnums=(0, 1, 2))(*args)
+  want = jax.grad(loss(lambda x, w, a: delta_matmul_reference(x, w, jnp.asarray(bits), a, slots,
+                                                              group_k=g)), argnums=(0, 1, 2))(*args)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)

@@ -74,7 +74,8 @@ def rows_call(x, w, bits=None, scale=None, slots=None, *, group_k: int = 8,
   """f32 ``[M, N]``: ``x·W`` plus, for each row m with ``slots[m] > 0``, ``α_s ⊙ (x[m]·S_s)``
   (s = slots[m]; 0 = base only). x ``[M, K]``; W ``[K, N]`` f32 or bf16; bits ``[S, KP, N]``
   uint8 in the group-local layout with ``group_k``; scale ``[S, N]`` (or ``[S, 1]``). Without a
-  bank (``bits`` None) it is the plain product."""
+  bank (``bits`` None) it is the plain product. Differentiable in x, W and α: the backward pass
+  is the reference formula's (`reference.delta_matmul_reference`), as for the other kernels."""
   m, k = x.shape
   n = w.shape[1]
   if bits is None:
@@ -89,7 +90,29 @@ def rows_call(x, w, bits=None, scale=None, slots=None, *, group_k: int = 8,
     reason = _load()
     if reason:
       raise NotImplementedError(reason)
-  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32),
+  return _rows(x, w, bits.astype(jnp.uint8), scale, slots.astype(jnp.int32), group_k, target)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _rows(x, w, bits, scale, slots, group_k, target):
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
                           vmap_method="sequential")
-  return call(x.astype(jnp.float32), w, bits.astype(jnp.uint8), scale, slots.astype(jnp.int32),
-              group_k=np.int64(group_k))
+  return call(x.astype(jnp.float32), w, bits, scale, slots, group_k=np.int64(group_k))
+
+
+def _rows_fwd(x, w, bits, scale, slots, group_k, target):
+  return _rows(x, w, bits, scale, slots, group_k, target), (x, w, bits, scale, slots)
+
+
+def _rows_bwd(group_k, target, res, ct):
+  from pallas_kernels.delta_matmul.reference import delta_matmul_reference
+
+  x, w, bits, scale, slots = res
+  f32 = jnp.float32
+  _, vjp = jax.vjp(lambda x, w, a: delta_matmul_reference(
+    x.astype(f32), w.astype(f32), bits, a, slots, group_k=group_k), x, w, scale)
+  gx, gw, ga = vjp(ct)
+  return gx.astype(x.dtype), gw.astype(w.dtype), None, ga, None
+
+
+_rows.defvjp(_rows_fwd, _rows_bwd)
