@@ -89,10 +89,11 @@ class MeshLayout:
     return jax.tree.map(lambda a: place(a, self.replicated), tree)
 
   def jit_step(self, run, copy, layer_shardings=None):
-    """``run(state, layers, k_pool, v_pool, batch, base_only)`` (``base_only`` static, passed
-    by position: jit takes no keyword arguments with shardings; ``layers`` the stacked layer
-    states or None) and ``copy(k_pool, v_pool, src, dst)``, jitted with the pools donated (and,
-    on a mesh, with these shardings)."""
+    """``run(params, layers, k_pool, v_pool, batch, base_only)`` (``params`` the model state's
+    leaves, ``layers`` the stacked layer states' leaves or None, both tuples; ``base_only``
+    static, passed by position: jit takes no keyword arguments with shardings) and
+    ``copy(k_pool, v_pool, src, dst)``, jitted with the pools donated (and, on a mesh, with
+    these shardings: ``layer_shardings`` a tree like the stacked layer states)."""
     if self.mesh is None:
       return (jax.jit(run, static_argnums=(5,), donate_argnums=(2, 3)),
               jax.jit(copy, donate_argnums=(0, 1)))
@@ -102,9 +103,11 @@ class MeshLayout:
     kv, rep = self.kv, self.replicated
     heads = self.kv.spec[3]  # the new K/V [N, kv, hd] as the pools hold them
     run = functools.partial(run, kv_sharding=NamedSharding(self.mesh, P(None, heads, None)))
+    params = tuple(jax.tree.leaves(self.params))  # in the state's leaf order, as `run` gets them
+    layers = None if layer_shardings is None else tuple(jax.tree.leaves(layer_shardings))
     return (
       jax.jit(run, static_argnums=(5,), donate_argnums=(2, 3),
-              in_shardings=(self.params, layer_shardings, kv, kv, rep),
+              in_shardings=(params, layers, kv, kv, rep),
               out_shardings=(kv, kv, rep)),
       jax.jit(copy, donate_argnums=(0, 1), in_shardings=(kv, kv, rep, rep),
               out_shardings=(kv, kv)),

@@ -15,6 +15,12 @@ the same computations in the same order (`serving.multihost`). A batch whose ``c
 None uses cached neutral control arrays (no mask, bias or penalty): plain batches then send and
 transfer nothing for them.
 
+Each step passes the model's parameters as a tuple of their arrays, read when the runner is
+built and at every `refresh` (`load_variant` and `clear_slot` refresh): a change made to the
+model any other way needs a `refresh` before the next step. Flattening the model state on every
+call cost ~1.2 ms of host time before XLA started (SmolLM2-135M: ~750 variables), all of it
+on the serial path of a decode step.
+
 Programs: one per token bucket of `StepShapes` (``base_only``: the form of a model without
 variant slots; with slots, batches of base rows skip the delta kernels inside the same program).
 `compile_all` lowers and compiles them all on a thread pool before serving; a step of a bucket
@@ -51,13 +57,16 @@ from bitdelta_jax.models.sampling import row_keys, sample
 register_step_data()
 
 
-def run_impl(graphdef, layer_def, state, stacked, k_pool, v_pool, batch: PagedBatch,
-             base_only: bool, kv_sharding=None):
+def run_impl(graphdef, state_def, layer_def, layers_def, params, stacked, k_pool, v_pool,
+             batch: PagedBatch, base_only: bool, kv_sharding=None):
   """The step: the forward over the ragged batch, the sampler at the outputs, log probabilities;
   prompt positions are scored (a second logits pass over all N tokens) only when a step asks.
-  ``layer_def, stacked``: the decoder layers as one scan (`llama.stack_layers`), or None."""
-  model = nnx.merge(graphdef, state)
-  layers = None if layer_def is None else (layer_def, stacked)
+  ``params``: the model state's leaves (``state_def`` rebuilds the state); ``stacked``: the
+  stacked decoder layer states' leaves (``layers_def``), run as one scan with ``layer_def``
+  (`llama.stack_layers`), or None. Flat tuples, so that a call neither flattens the state nor
+  parses its nodes (`PagedRunner.run`)."""
+  model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+  layers = None if layer_def is None else (layer_def, jax.tree.unflatten(layers_def, stacked))
   h, k_pool, v_pool = model.forward_paged(batch, k_pool, v_pool, base_only=base_only,
                                           kv_sharding=kv_sharding, layers=layers)
   slots = None if base_only else batch.out_slot_ids
@@ -138,12 +147,16 @@ class PagedRunner:
     if scan_layers is None:  # see `scan_layers_default`
       scan_layers = scan_layers_default()
     self.scan_layers = bool(scan_layers)
-    self._stacked = None
-    self.graphdef, self.state = nnx.split(model)
+    self._stacked = self._layers = None
+    self.graphdef, state = nnx.split(model)
+    self._state_def = jax.tree.structure(state)
+    self._set_state(state)
     self._restack()
-    layer_def = self._stacked[0] if self._stacked is not None else None
+    layer_def, layers_def = None, None
+    if self._stacked is not None:
+      layer_def, layers_def = self._stacked[0], jax.tree.structure(self._stacked[1])
     self._run, self._copy_pages = self.layout.jit_step(
-      functools.partial(run_impl, self.graphdef, layer_def),
+      functools.partial(run_impl, self.graphdef, self._state_def, layer_def, layers_def),
       functools.partial(copy_pages_impl,
                         implementation=None if self.layout.mesh is None else "reference"),
       self._layer_shardings())
@@ -189,10 +202,10 @@ class PagedRunner:
             f"a step of {batch.num_tokens} tokens (base_only={bool(base_only)}) needs a program "
             "the warm-up did not compile")
         self.compiles_after_warmup += 1
-      out = self._run(self.state, self._layer_states(), self.k_pool, self.v_pool,
+      out = self._run(self._params, self._layers, self.k_pool, self.v_pool,
                       self._inputs(batch), bool(base_only))
     else:  # compiled ahead of time: the static base_only is part of the program
-      out = fn(self.state, self._layer_states(), self.k_pool, self.v_pool, self._inputs(batch))
+      out = fn(self._params, self._layers, self.k_pool, self.v_pool, self._inputs(batch))
     self.k_pool, self.v_pool, out = out
     return out
 
@@ -200,7 +213,7 @@ class PagedRunner:
     """The step over ``batch``'s shapes, lowered (``.compile()`` it; nothing runs). With
     ``platform`` (e.g. "cuda"), lowered for that platform with its kernels selected
     (`pallas_kernels.platform.lowering_platform`), also from a process without it."""
-    args = (self.state, self._layer_states(), self.k_pool, self.v_pool, self._inputs(batch),
+    args = (self._params, self._layers, self.k_pool, self.v_pool, self._inputs(batch),
             bool(base_only))
     if platform is None:
       return self._run.lower(*args)
@@ -265,8 +278,8 @@ class PagedRunner:
       return [(a.shape, str(a.dtype), str(getattr(a, "sharding", None)))
               for a in jax.tree.leaves(tree)]
 
-    return (repr(self.model.config), str(self.model.dtype), str(jax.tree.structure(self.state)),
-            avals(self.state), avals(self._layer_states()), avals((self.k_pool, self.v_pool)),
+    return (repr(self.model.config), str(self.model.dtype), str(self._state_def),
+            avals(self._params), avals(self._layers), avals((self.k_pool, self.v_pool)),
             repr(self.shapes), n, bool(base_only), self.scan_layers, str(self.mesh))
 
   def _inputs(self, batch: PagedBatch) -> PagedBatch:
@@ -307,9 +320,17 @@ class PagedRunner:
     self.refresh()
 
   def refresh(self) -> None:
-    """Re-reads the model's state (after its banks or parameters changed)."""
-    self.state = self.layout.place_state(nnx.state(self.model))
+    """Re-reads the model's state. Steps pass the arrays read here, so call it after every
+    change to the model's banks or parameters (`load_variant` and `clear_slot` do)."""
+    self._set_state(self.layout.place_state(nnx.state(self.model)))
     self._restack()
+
+  def _set_state(self, state) -> None:
+    """Keeps ``state`` and its leaves: the tuple every step passes (see the module docstring)."""
+    leaves, treedef = jax.tree.flatten(state)
+    if treedef != self._state_def:  # the compiled steps unflatten with the first structure
+      raise ValueError("the model's state changed structure since the runner was built")
+    self.state, self._params = state, tuple(leaves)
 
   # -- layers as one scan ---------------------------------------------------------------------
   def _restack(self) -> None:
@@ -326,9 +347,7 @@ class PagedRunner:
       stacked = (stacked[0], jax.tree.map(lambda a, sh: jax.device_put(a, sh), stacked[1], shard),
                  stacked[2])
     self._stacked = stacked
-
-  def _layer_states(self):
-    return self._stacked[1] if self._stacked is not None else None
+    self._layers = tuple(jax.tree.leaves(stacked[1]))  # what steps pass, as `_params`
 
   def _layer_shardings(self):
     """The stacked states' shardings on a mesh: each layer leaf's, with the layer axis whole."""
