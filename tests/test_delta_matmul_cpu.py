@@ -150,8 +150,8 @@ def test_merged_matches_numpy(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c[0] >= cpu.MERGED_MIN_ROWS],
                          ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}")
 def test_many_rows_of_one_slot_take_xlas_dot_on_the_expanded_weight(case, layout):
-  """`delta_matmul_cpu` for many f32 rows: one variant slot (base rows up to a quarter) runs
-  XLA's dot on W + α⊙S (then undoes the base rows' delta); anything else the merged kernel.
+  """`delta_matmul_cpu` for many f32 rows: every row in one variant slot runs XLA's dot on
+  W + α⊙S; anything else (base rows too, several slots) the merged kernel.
   Both against numpy; the program holds both branches, chosen at run time."""
   m, k, n, group_k, gran = case
   rng = np.random.default_rng(m + k + n + 2)

@@ -209,32 +209,16 @@ def expand_call(w_base, bits, scale, slot, *, group_k: int) -> jax.Array:
               jnp.reshape(slot, (1,)).astype(jnp.int32), group_k=np.int64(group_k))
 
 
-# At most this share of a many-row product's rows may be base rows for the one-slot prefill path
-# (their delta is subtracted again, by `fused_call`).
-EXPAND_MAX_BASE_SHARE = 0.25
-
-
 def _one_slot_or_merged(x, w_base, bank, scales, slots, *, group_k: int) -> jax.Array:
-  """Many f32 rows. When the variant rows all use one slot s and base rows are few (a prefill
-  chunk of one variant's prompt): XLA's dot on ``W_eff = W + α_s⊙S_s`` (`expand_call`), then
-  the base rows' delta subtracted again (``fused_call`` with −α). Otherwise `merged_call`. A
-  ``lax.cond`` picks at run time."""
+  """Many f32 rows. When every row uses one variant slot s (a prefill chunk of one variant's
+  prompt: padding tokens take the last token's slot): XLA's dot on ``W_eff = W + α_s⊙S_s``
+  (`expand_call`). Otherwise `merged_call`. A ``lax.cond`` picks at run time."""
   s = jnp.max(slots)
-  base_rows = slots < 0
-  one_slot = (s >= 0) & jnp.all(base_rows | (slots == s)) & (
-    jnp.sum(base_rows) <= EXPAND_MAX_BASE_SHARE * slots.shape[0])
-
-  def expanded(x):
-    y = jnp.dot(x, expand_call(w_base, bank, scales, s, group_k=group_k))
-    undo = jnp.where(base_rows, s, -1).astype(jnp.int32)
-    return jax.lax.cond(jnp.any(base_rows),
-                        lambda y: fused_call(x, bank, -scales, undo, y, group_k=group_k),
-                        lambda y: y, y)
-
-  def merged(x):
-    return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
-
-  return jax.lax.cond(one_slot, expanded, merged, x)
+  one_slot = (s >= 0) & jnp.all(slots == s)
+  return jax.lax.cond(
+    one_slot,
+    lambda x: jnp.dot(x, expand_call(w_base, bank, scales, s, group_k=group_k)),
+    lambda x: merged_call(x, w_base, bank, scales, slots, group_k=group_k), x)
 
 
 def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> jax.Array:
