@@ -61,7 +61,7 @@ def delta_matmul_fn(implementation=None):
 def _rows_kernel(rows: int, x_dtype, w_dtype, implementation):
   """`cpu_rows.rows_call` when a product of ``rows`` rows takes the CPU few-rows kernel (one CPU
   device, no explicit implementation, up to `cpu_rows.MAX_ROWS` rows), else None."""
-  if callable(implementation) or implementation is not None or jax.device_count() != 1:
+  if implementation is not None or jax.device_count() != 1:
     return None
   try:
     from pallas_kernels.delta_matmul import cpu_rows
@@ -71,7 +71,8 @@ def _rows_kernel(rows: int, x_dtype, w_dtype, implementation):
 
 
 def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
-  """``x · W`` for the base path on one CPU device: the small-M kernels of
+  """``x · W`` for the base path where `_rows_kernel` does not apply (more rows, or
+  ``BITDELTA_CPU_ROWS=0``), on one CPU device: the small-M kernels of
   `pallas_kernels.small_matmul` (2-16 f32 rows), and for bf16 x and W `cpu_bf16.dense` (its
   kernel for a few rows, else XLA's dot with f32 sums); XLA's dot otherwise (and always under
   a sharded matmul)."""

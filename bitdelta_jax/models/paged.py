@@ -434,8 +434,8 @@ class PagedGenerator:
       col += n
       u += k
     # padding tokens take the last real token's slot: a prefill chunk of one variant's prompt
-    # then has no base rows for the many-row delta path to undo (`delta_matmul.cpu`); they
-    # read and write no page, and their outputs are never used
+    # is then all one slot, which the many-row CPU delta path runs as one dot on W + α⊙S
+    # (`delta_matmul.cpu`); they read and write no page, and their outputs are never used
     if 0 < n_tok < len(b.slot_ids):
       b.slot_ids[n_tok:] = b.slot_ids[n_tok - 1]
     bk = sh.block_pages * ps

@@ -17,6 +17,12 @@ The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
 ``$BITDELTA_CPU_EXPAND_ROWS``, else the kernel's measured default (bench/results/cpu_delta.md).
 ``expand_rows=1`` forces expand-then-FMA for every slot, a huge value forces the LUT (tests).
 
+From `MERGED_MIN_ROWS` f32 rows `delta_matmul_cpu` takes the whole product: a batch whose rows
+all use one variant slot (a prefill chunk of one prompt) runs XLA's dot on ``W + α⊙S`` expanded
+by ``cpu_expand_kernel.cc`` (XLA's GEMM is faster than the merged micro-kernel at hundreds of
+rows); any other batch `merged_call` (``BITDELTA_CPU_EXPAND=0``: always `merged_call`). Decode
+rows (1-16) take `cpu_rows` in `DeltaDense` instead.
+
 Numerics: delta term accumulated in f32 from f32 x, α applied in the kernel's epilogue; the
 base product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
 `pallas_kernels.small_matmul` kernel; for bf16 x and W_base `cpu_bf16.dense`: its kernel at

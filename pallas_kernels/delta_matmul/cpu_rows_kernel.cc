@@ -10,10 +10,12 @@
 // and the delta kernel's fixed costs (tables, a second call, the cond) cost 10x its bytes.
 // Here the K rows are split across the pool's threads, so each thread streams one contiguous
 // block of W front to back (the hardware prefetchers' best case), KB rows of K at a time across
-// all N columns. For each group of rows — the base rows, then each slot present — the KB x 16
-// tile of W is turned in registers into W + α_s ⊙ S_s (one blend per 16 weights, selected by the
-// slot's bits) and multiplied into the group's rows: a slot present costs its bit plane's bytes
-// (1/32 of f32 W) and a few vector operations per 16 weights, never a second pass.
+// all N columns. For each group of rows — the base rows, then each slot with more than
+// kLutMaxRows rows — the KB x 16 tile of W is turned in registers into W + α_s ⊙ S_s (one blend
+// per 16 weights, selected by the slot's bits) and multiplied into the group's rows. A slot with
+// fewer rows runs them with the base rows and adds 2·x·B − Σx by nibble-table lookups over its
+// bits after the chunk's W pass (`LutDelta`). Either way a slot present costs its bit plane's
+// bytes (1/32 of f32 W) and a few vector operations per 16 weights, never a second pass over W.
 // Each thread sums into its own [M, N] partials (L1/L2-resident for the shapes of a decode
 // step); the caller adds them up.
 //
