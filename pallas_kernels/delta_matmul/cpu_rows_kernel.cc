@@ -47,7 +47,17 @@ typedef uint32_t u16v __attribute__((vector_size(64)));
 typedef uint16_t h16v __attribute__((vector_size(32)));
 typedef uint8_t b16v __attribute__((vector_size(16)));
 
-constexpr int kKB = 4;  // rows of W per step (KB row streams per thread)
+// Rows of K per step: KBFor<T> (a tile's partial sums stay in registers over them), then steps
+// of kKBTail for the rest of a chunk, then single rows; kKBMax bounds them. Measured on the
+// model's 210 matrices (AVX-512, 2 threads; bench/results/cpu_decode.md): against 4 rows per
+// step, 16 made 16 f32 rows ~10% and 8 bf16 rows ~10% faster, 8 f32 rows ~4% slower than 8.
+#if defined(__AVX512F__)
+template <typename T> constexpr int KBFor = sizeof(T) == 4 ? 8 : 16;
+#else
+template <typename T> constexpr int KBFor = 4;  // portable: vectors of 16 are register pairs/quads
+#endif
+constexpr int kKBTail = 4;
+constexpr int kKBMax = 16;
 
 inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
 inline v16 load16(const uint16_t* p) {
@@ -96,58 +106,105 @@ inline __m512 load16v(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// acc[rows, 0:n16] (+)= x[rows, k:k+kKB] · (W + α⊙S)[k:k+kKB, 0:n16] for R rows of one group
-// (slot <= 0: W itself), 16 columns at a time: the R·kKB broadcasts of x stay in registers, and
-// for a slot each W vector becomes W ± α by a blend selected straight from the slot's packed
-// bytes (`vptestmb`).
-template <int R, typename T>
+// acc[rows, n:n+16C] += x[rows, k:k+KB] · (W + α⊙S)[k:k+KB, n:n+16C] for R rows of one group
+// (kDelta false: W itself). The R x C partial sums stay in registers over the KB rows of K, so
+// the FMAs form R·C independent chains (one chain per row was bound by the FMA latency, not
+// its throughput); with kDelta each W vector becomes W ± α by a blend selected straight from
+// the slot's packed bytes (`vptestmb`). wr[j], ar[i], br[j], al: row j of W, row i's partial
+// sums, row j's packed bytes and α, each at column 0 of the block; pf[j]: the next step's
+// rows to prefetch (kPrefetch).
+template <int KB, int R, int C, bool kDelta, bool kPrefetch, typename T>
+inline void Tile(const T* const* wr, float* const* ar, const float* xs,
+                 const uint8_t* const* br, const float* al, const __m128i* bm,
+                 const T* const* pf, int64_t n) {
+  __m512 s[R][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) s[i][c] = _mm512_loadu_ps(ar[i] + n + 16 * c);
+#pragma GCC unroll 8
+  for (int j = 0; j < KB; ++j) {
+    __m512 we[C];
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) we[c] = load16v(wr[j] + n + 16 * c);
+    if constexpr (kPrefetch)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        if (c * 16 * sizeof(T) % 64 == 0)  // into L2: L1's fill buffers stay for the loads
+          _mm_prefetch((const char*)(pf[j] + n + 16 * c), _MM_HINT_T1);
+    if constexpr (kDelta)
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        const __m512 a = _mm512_loadu_ps(al + n + 16 * c);
+        const __m512 na = _mm512_sub_ps(_mm512_setzero_ps(), a);
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(br[j] + n + 16 * c));
+        we[c] = _mm512_add_ps(we[c], _mm512_mask_blend_ps(_mm_test_epi8_mask(b, bm[j]), na, a));
+      }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512 xb = _mm512_set1_ps(xs[i * KB + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) s[i][c] = _mm512_fmadd_ps(xb, we[c], s[i][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar[i] + n + 16 * c, s[i][c]);
+}
+
+#ifndef BITDELTA_ROWS_TILE_C
+#define BITDELTA_ROWS_TILE_C 4
+#endif
+constexpr int kTileC = BITDELTA_ROWS_TILE_C;  // column vectors per tile
+
+template <int KB, int R, bool kDelta, bool kPrefetch, typename T>
+void RowsLoop(const T* const* wr, float* const* ar, const float* xs, const uint8_t* const* br,
+              const float* al, const __m128i* bm, const T* const* pf, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 16 * kTileC <= n1; n += 16 * kTileC)
+    Tile<KB, R, kTileC, kDelta, kPrefetch>(wr, ar, xs, br, al, bm, pf, n);
+  for (; n < n1; n += 16) Tile<KB, R, 1, kDelta, kPrefetch>(wr, ar, xs, br, al, bm, pf, n);
+}
+
+// acc[rows, n0:n1] (+)= x[rows, k:k+KB] · (W + α⊙S)[k:k+KB, n0:n1] for R rows of one group
+// (slot <= 0: W itself); next: the next step's rows of W to prefetch, or null.
+template <int KB, int R, typename T>
 void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n0, int64_t n1,
             int64_t slot, const int64_t* rows, const uint8_t* const* brow, const uint32_t* bmask,
             const T* next) {
-  const int64_t N = a.N, K = a.K;
-  __m512 xb[R][kKB];
+  const int64_t N = a.N;
   float* ar[R];
-#pragma GCC unroll 4
+  alignas(64) float xs[R * KB];
   for (int i = 0; i < R; ++i) {
     ar[i] = acc + rows[i] * N;
-#pragma GCC unroll 4
-    for (int j = 0; j < kKB; ++j) xb[i][j] = _mm512_set1_ps(a.x[rows[i] * K + k + j]);
+    for (int j = 0; j < KB; ++j) xs[i * KB + j] = a.x[rows[i] * a.K + k + j];
   }
-  __m128i bm[kKB];
-  if (slot > 0)
-    for (int j = 0; j < kKB; ++j) bm[j] = _mm_set1_epi8(char(bmask[j]));
-  for (int64_t n = n0; n < n1; n += 16) {
-    __m512 we[kKB];
-#pragma GCC unroll 4
-    for (int j = 0; j < kKB; ++j) we[j] = load16v(w + (k + j) * N + n);
-    // the next step's rows, a step ahead (the first pass over this step's rows only)
-    if (next != nullptr && (n * sizeof(T)) % 64 == 0)
-#pragma GCC unroll 4
-      for (int j = 0; j < kKB; ++j) _mm_prefetch((const char*)(next + j * N + n), _MM_HINT_T0);
-    if (slot > 0) {
-      const __m512 al = _mm512_loadu_ps(a.scale + slot * N + n);
-      const __m512 nal = _mm512_sub_ps(_mm512_setzero_ps(), al);
-#pragma GCC unroll 4
-      for (int j = 0; j < kKB; ++j) {
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[j] + n));
-        we[j] = _mm512_add_ps(we[j], _mm512_mask_blend_ps(_mm_test_epi8_mask(b, bm[j]), nal, al));
-      }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) {
-      __m512 s = _mm512_loadu_ps(ar[i] + n);
-#pragma GCC unroll 4
-      for (int j = 0; j < kKB; ++j) s = _mm512_fmadd_ps(xb[i][j], we[j], s);
-      _mm512_storeu_ps(ar[i] + n, s);
-    }
+  const T* wr[KB];
+  const T* pf[KB];
+  __m128i bm[KB];
+  for (int j = 0; j < KB; ++j) {
+    wr[j] = w + (k + j) * N;
+    pf[j] = next == nullptr ? nullptr : next + j * N;
+    bm[j] = _mm_set1_epi8(char(slot > 0 ? bmask[j] : 0));
+  }
+  const float* al = slot > 0 ? a.scale + slot * N : nullptr;
+  if (slot > 0) {
+    if (next) RowsLoop<KB, R, true, true>(wr, ar, xs, brow, al, bm, pf, n0, n1);
+    else RowsLoop<KB, R, true, false>(wr, ar, xs, brow, al, bm, pf, n0, n1);
+  } else {
+    if (next) RowsLoop<KB, R, false, true>(wr, ar, xs, brow, al, bm, pf, n0, n1);
+    else RowsLoop<KB, R, false, false>(wr, ar, xs, brow, al, bm, pf, n0, n1);
   }
 }
 
-// Columns per block: a block's partial sums for every row (16 rows x 256 x 4 B) and its kKB rows
+// Columns per block: a block's partial sums for every row (16 rows x 256 x 4 B) and its KB rows
 // of W stay in L1 while each group and block of rows passes over them.
 constexpr int64_t kColBlock = 256;
 
-template <typename T>
+// acc[rows, 0:n16] (+)= x[rows, k:k+KB] · (W + α⊙S)[k:k+KB, 0:n16] for every group's rows;
+// brow, bmask: per group, kKBMax entries (the byte row and bit of each of the KB rows).
+template <int KB, typename T>
 void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
             const uint8_t* const* brow, const uint32_t* bmask) {
   const int ng = int(a.groups->size());
@@ -157,16 +214,16 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
       const Group& g = (*a.groups)[gi];
       const int64_t* rows = g.rows.data();
       const int64_t nr = int64_t(g.rows.size());
-      const uint8_t* const* br = brow + gi * kKB;
-      const uint32_t* bm = bmask + gi * kKB;
+      const uint8_t* const* br = brow + gi * kKBMax;
+      const uint32_t* bm = bmask + gi * kKBMax;
       for (int64_t i = 0; i < nr; i += 4) {
         // the first pass over the block prefetches the next step's rows
-        const T* next = gi == 0 && i == 0 && k + 2 * kKB <= a.K ? w + (k + kKB) * a.N : nullptr;
+        const T* next = gi == 0 && i == 0 && k + 2 * KB <= a.K ? w + (k + KB) * a.N : nullptr;
         switch (std::min<int64_t>(4, nr - i)) {
-          case 1: Rows16<1>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
-          case 2: Rows16<2>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
-          case 3: Rows16<3>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
-          default: Rows16<4>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          case 1: Rows16<KB, 1>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          case 2: Rows16<KB, 2>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          case 3: Rows16<KB, 3>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
+          default: Rows16<KB, 4>(a, w, acc, k, n0, n1, g.slot, rows + i, br, bm, next); break;
         }
       }
     }
@@ -240,26 +297,26 @@ constexpr int64_t kLutMaxRows = 0;  // the portable build blends every slot
 void LutDelta(const Args&, float*, int64_t, int64_t) {}
 
 // portable: the same with GCC vector extensions (AVX2/SSE halves)
-template <typename T>
+template <int KB, typename T>
 void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
             const uint8_t* const* brow, const uint32_t* bmask) {
   const int64_t N = a.N, K = a.K;
   const int ng = int(a.groups->size());
   for (int64_t n = 0; n < n16; n += 16) {
-    v16 wv[kKB];
-    for (int j = 0; j < kKB; ++j) wv[j] = load16(w + (k + j) * N + n);
+    v16 wv[KB];
+    for (int j = 0; j < KB; ++j) wv[j] = load16(w + (k + j) * N + n);
     for (int gi = 0; gi < ng; ++gi) {
       const Group& g = (*a.groups)[gi];
-      v16 we[kKB];
+      v16 we[KB];
       if (g.slot <= 0) {
-        for (int j = 0; j < kKB; ++j) we[j] = wv[j];
+        for (int j = 0; j < KB; ++j) we[j] = wv[j];
       } else {
         const v16 al = load16(a.scale + g.slot * N + n);
-        for (int j = 0; j < kKB; ++j) {
+        for (int j = 0; j < KB; ++j) {
           b16v b;
-          std::memcpy(&b, brow[gi * kKB + j] + n, 16);
+          std::memcpy(&b, brow[gi * kKBMax + j] + n, 16);
           const u16v bw = __builtin_convertvector(b, u16v);
-          const i16v pos = (bw & bmask[gi * kKB + j]) != 0;
+          const i16v pos = (bw & bmask[gi * kKBMax + j]) != 0;
           we[j] = pos ? wv[j] + al : wv[j] - al;
         }
       }
@@ -267,7 +324,7 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
         const float* xr = a.x + r * K + k;
         float* ar = acc + r * N + n;
         v16 s = load16(ar);
-        for (int j = 0; j < kKB; ++j) s += xr[j] * we[j];
+        for (int j = 0; j < KB; ++j) s += xr[j] * we[j];
         store16(ar, s);
       }
     }
@@ -280,18 +337,15 @@ template <typename T>
 void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
   const int64_t N = a.N, K = a.K, n16 = N / 16 * 16;
   std::fill(acc, acc + a.M * N, 0.f);
-  // per slot group: the byte row and bit of each of a step's kKB rows of K
+  // per slot group: the byte row and bit mask of each of a step's rows of K
+  const int ng = int(a.groups->size());
   thread_local std::vector<const uint8_t*> brow_v;
   thread_local std::vector<uint32_t> bmask_v;
-  brow_v.resize(a.groups->size() * kKB);
-  bmask_v.resize(a.groups->size() * kKB);
+  brow_v.resize(ng * kKBMax);
+  bmask_v.resize(ng * kKBMax);
   const uint8_t** brow = brow_v.data();
   uint32_t* bmask = bmask_v.data();
-  int64_t k = k0;
-  for (; k < k1; k += kKB) {
-    const int kb = int(std::min<int64_t>(kKB, k1 - k));
-    // per slot group: the byte row and bit mask of each of the kb rows
-    const int ng = int(a.groups->size());
+  auto locate = [&](int64_t k, int kb) {
     for (int gi = 0; gi < ng; ++gi) {
       const Group& g = (*a.groups)[gi];
       if (g.slot <= 0) continue;
@@ -299,24 +353,41 @@ void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
         int64_t br;
         int bit;
         bit_of(k + j, a.G, &br, &bit);
-        brow[gi * kKB + j] = a.bits + (g.slot * a.KP + br) * N;
-        bmask[gi * kKB + j] = 1u << bit;
+        brow[gi * kKBMax + j] = a.bits + (g.slot * a.KP + br) * N;
+        bmask[gi * kKBMax + j] = 1u << bit;
       }
     }
-    if (kb == kKB) Step16(a, w, acc, k, n16, brow, bmask);
-    // the columns past the last full vector (all columns for a short last block of K)
+  };
+  // rows [k, k + kb), columns [n0, N), one element at a time
+  auto scalar = [&](int64_t k, int kb, int64_t n0) {
     for (int j = 0; j < kb; ++j)
       for (int gi = 0; gi < ng; ++gi) {
         const Group& g = (*a.groups)[gi];
-        for (int64_t n = kb == kKB ? n16 : 0; n < N; ++n) {
+        for (int64_t n = n0; n < N; ++n) {
           float we = load1(w + (k + j) * N + n);
           if (g.slot > 0) {
             const float al = a.scale[g.slot * N + n];
-            we = (brow[gi * kKB + j][n] & bmask[gi * kKB + j]) ? we + al : we - al;
+            we = (brow[gi * kKBMax + j][n] & bmask[gi * kKBMax + j]) ? we + al : we - al;
           }
           for (int64_t r : g.rows) acc[r * N + n] += a.x[r * K + k + j] * we;
         }
       }
+  };
+  int64_t k = k0;
+  constexpr int kKB = KBFor<T>;
+  for (; k + kKB <= k1; k += kKB) {
+    locate(k, kKB);
+    Step16<kKB>(a, w, acc, k, n16, brow, bmask);
+    scalar(k, kKB, n16);  // the columns past the last full vector
+  }
+  for (; k + kKBTail <= k1; k += kKBTail) {
+    locate(k, kKBTail);
+    Step16<kKBTail>(a, w, acc, k, n16, brow, bmask);
+    scalar(k, kKBTail, n16);
+  }
+  if (k < k1) {
+    locate(k, int(k1 - k));
+    scalar(k, int(k1 - k), 0);
   }
   if (!a.lut->empty()) LutDelta(a, acc, k0, k1);
 }
@@ -350,7 +421,7 @@ ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* sca
   Pool& pool = Pool::get();
   const int64_t work = M * K * N;
   int chunks = work < (int64_t(1) << 16) ? 1 : pool.size();
-  // K split into contiguous blocks of whole groups of G rows (G a multiple of 8 >= kKB)
+  // K split into contiguous blocks of whole groups of G rows (G a multiple of 8)
   int64_t per = (K + chunks - 1) / chunks;
   per = (per + G - 1) / G * G;
   chunks = int((K + per - 1) / per);
