@@ -147,11 +147,11 @@ def test_merged_matches_numpy(case):
 
 @pytest.mark.parametrize("layout", ["one slot", "one slot, few base rows", "one slot, many base",
                                     "two slots"])
-@pytest.mark.parametrize("case", [c for c in CASES if c[0] >= cpu.MERGED_MIN_ROWS],
+@pytest.mark.parametrize("case", [c for c in CASES if c[0] >= cpu.EXPAND_MIN_ROWS],
                          ids=lambda c: f"M{c[0]}-K{c[1]}-N{c[2]}")
 def test_many_rows_of_one_slot_take_xlas_dot_on_the_expanded_weight(case, layout):
-  """`delta_matmul_cpu` for many f32 rows: every row in one variant slot runs XLA's dot on
-  W + α⊙S; anything else (base rows too, several slots) the merged kernel.
+  """`delta_matmul_cpu` for many f32 rows (from EXPAND_MIN_ROWS): every row in one variant slot
+  runs XLA's dot on W + α⊙S; anything else (base rows too, several slots) the merged kernel.
   Both against numpy; the program holds both branches, chosen at run time."""
   m, k, n, group_k, gran = case
   rng = np.random.default_rng(m + k + n + 2)
@@ -172,6 +172,24 @@ def test_many_rows_of_one_slot_take_xlas_dot_on_the_expanded_weight(case, layout
   hlo = f.lower(*args).as_text()
   assert "bitdelta_delta_expand" in hlo and "bitdelta_delta_matmul_merged" in hlo
   np.testing.assert_allclose(np.asarray(f(*args)), want, rtol=RTOL, atol=ATOL, err_msg=layout)
+
+
+def test_a_short_chunk_of_one_slot_takes_the_merged_kernel():
+  """Below EXPAND_MIN_ROWS rows (a short prompt's chunk) writing W + α⊙S costs more than the
+  merged kernel's extra work: one slot's rows take the merged kernel, no expansion."""
+  m, k, n = cpu.EXPAND_MIN_ROWS - 1, 576, 192
+  assert m >= cpu.MERGED_MIN_ROWS
+  rng = np.random.default_rng(12)
+  g, bits, scale, signs = _bank(k, n, 64, "column", rng)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  w = rng.standard_normal((k, n)).astype(np.float32)
+  ids = np.full(m, 3, np.int32)
+  f = jax.jit(lambda *a: cpu.delta_matmul_cpu(*a, group_k=g))
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bits), jnp.asarray(scale), jnp.asarray(ids))
+  hlo = f.lower(*args).as_text()
+  assert "bitdelta_delta_expand" not in hlo and "bitdelta_delta_matmul_merged" in hlo
+  want = _want(x, x.astype(np.float64) @ w.astype(np.float64), scale, signs, ids)
+  np.testing.assert_allclose(np.asarray(f(*args)), want, rtol=RTOL, atol=ATOL)
 
 
 def test_expanded_weight_is_w_plus_alpha_signs():

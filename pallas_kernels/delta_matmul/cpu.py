@@ -17,11 +17,13 @@ The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
 ``$BITDELTA_CPU_EXPAND_ROWS``, else the kernel's measured default (bench/results/cpu_delta.md).
 ``expand_rows=1`` forces expand-then-FMA for every slot, a huge value forces the LUT (tests).
 
-From `MERGED_MIN_ROWS` f32 rows `delta_matmul_cpu` takes the whole product: a batch whose rows
-all use one variant slot (a prefill chunk of one prompt) runs XLA's dot on ``W + α⊙S`` expanded
-by ``cpu_expand_kernel.cc`` (XLA's GEMM is faster than the merged micro-kernel at hundreds of
-rows); any other batch `merged_call` (``BITDELTA_CPU_EXPAND=0``: always `merged_call`). Decode
-rows (1-16) take `cpu_rows` in `DeltaDense` instead.
+From `MERGED_MIN_ROWS` f32 rows `delta_matmul_cpu` takes the whole product: from
+`EXPAND_MIN_ROWS` rows a batch whose rows all use one variant slot (a prefill chunk of one
+prompt) runs XLA's dot on ``W + α⊙S`` expanded by ``cpu_expand_kernel.cc`` (XLA's GEMM is faster
+than the merged micro-kernel at hundreds of rows, and writing W + α⊙S costs about as much as the
+merged kernel's extra time at ~100 rows); any other batch `merged_call`
+(``BITDELTA_CPU_EXPAND=0``: always `merged_call`). Decode rows (1-16) take `cpu_rows` in
+`DeltaDense` instead.
 
 Numerics: delta term accumulated in f32 from f32 x, α applied in the kernel's epilogue; the
 base product is ``jnp.dot(x, w_base, preferred_element_type=f32)`` (for 2-16 f32 rows the
@@ -68,6 +70,10 @@ _EXPAND_TARGET = "bitdelta_delta_expand"
 # f32 rows from which `delta_matmul_cpu` computes the whole product in the kernel
 # (`merged_call`) instead of XLA's GEMM + the delta kernel (bench/results/cpu_delta.md).
 MERGED_MIN_ROWS = 32
+# From this many rows a chunk of one slot takes XLA's dot on the expanded weight. In-process TTFT
+# of a variant's prompt on SmolLM2 f32 (2 cores): 40 tokens (a 64-row chunk) 125 ms merged vs
+# 148 ms expanded (base 110); 120 tokens (128 rows) 270 vs 258 ms; 240 tokens 472 vs 451 ms.
+EXPAND_MIN_ROWS = 128
 
 
 @functools.cache
@@ -242,7 +248,7 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
     slots = jnp.where(slot_ids == 0, -1, slot_ids).astype(jnp.int32)  # slot 0: base only
   f32 = x.dtype == w_base.dtype == jnp.float32
   if f32 and x.shape[0] >= MERGED_MIN_ROWS and os.environ.get("BITDELTA_CPU_MERGED") != "0":
-    if os.environ.get("BITDELTA_CPU_EXPAND") == "0":
+    if x.shape[0] < EXPAND_MIN_ROWS or os.environ.get("BITDELTA_CPU_EXPAND") == "0":
       return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
     return _one_slot_or_merged(x, w_base, bank, scales, slots, group_k=group_k)
   from pallas_kernels.small_matmul.cpu import dense_f32
