@@ -10,8 +10,10 @@ bf16 weights have their own kernels (`cpu_bf16`); `dense_f32` dispatches to eith
 The NT kernel ``x · Eᵀ`` is the tied LM head's (``E [V, D]``, `small_matmul_nt`): XLA's f32
 ``h · Eᵀ`` reads SmolLM2's 113 MB embedding at the memory bandwidth at one row but at 60-50% of it
 at 2-16 rows; the kernel streams E once per call with all cores for ``NT_MIN_ROWS <= M <=
-NT_MAX_ROWS`` (0.60-0.81x XLA's time there; a tie at one row, where the whole forward was 7%
-slower with it, so one row stays with XLA: bench/results/cpu_head.md).
+NT_MAX_ROWS`` (0.60-0.81x XLA's time there: bench/results/cpu_head.md). One row too since the
+pool's callers stopped sleeping for their workers (`pallas_kernels/native/pool.h`): the head
+alone 0.85-0.89x XLA's time, the real model's in-process one-row decode step 25.1-26.0 ms
+against 28.1-29.5 ms with XLA's dot (two interleaved runs).
 
 Numerics: f32 products and sums in another order than XLA's (agrees to rounding; tested against
 `reference.small_matmul_reference`). Backend: host CPU; built on first use like
@@ -32,7 +34,7 @@ import jax.numpy as jnp
 from bitdelta_jax import native
 
 MIN_ROWS, MAX_ROWS = 2, 16
-NT_MIN_ROWS, NT_MAX_ROWS = 2, 16  # at one row XLA's dot already streams E at the bandwidth
+NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
 
