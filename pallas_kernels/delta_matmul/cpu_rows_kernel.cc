@@ -48,9 +48,10 @@ typedef uint16_t h16v __attribute__((vector_size(32)));
 typedef uint8_t b16v __attribute__((vector_size(16)));
 
 // Rows of K per step: KBFor<T> (a tile's partial sums stay in registers over them), then steps
-// of kKBTail for the rest of a chunk, then single rows; kKBMax bounds them. Measured on the
-// model's 210 matrices (AVX-512, 2 threads; bench/results/cpu_decode.md): against 4 rows per
-// step, 16 made 16 f32 rows ~10% and 8 bf16 rows ~10% faster, 8 f32 rows ~4% slower than 8.
+// of kKBTail for the rest of a chunk, then single rows; kKBMax bounds them. Measured in C++ on
+// the model's 210 matrices (AVX-512, 2 threads), against 4 rows per step: 16 rows of f32 x
+// ~10% faster with 8 or 16 per step, 8 and 16 rows of bf16 10-20% faster with 16; at 8 rows
+// of f32 x, 8 per step was ~4% faster than 16.
 #if defined(__AVX512F__)
 template <typename T> constexpr int KBFor = sizeof(T) == 4 ? 8 : 16;
 #else
@@ -153,10 +154,7 @@ inline void Tile(const T* const* wr, float* const* ar, const float* xs,
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(ar[i] + n + 16 * c, s[i][c]);
 }
 
-#ifndef BITDELTA_ROWS_TILE_C
-#define BITDELTA_ROWS_TILE_C 4
-#endif
-constexpr int kTileC = BITDELTA_ROWS_TILE_C;  // column vectors per tile
+constexpr int kTileC = 4;  // column vectors per tile (4 x 4 partial sums in registers)
 
 template <int KB, int R, bool kDelta, bool kPrefetch, typename T>
 void RowsLoop(const T* const* wr, float* const* ar, const float* xs, const uint8_t* const* br,
