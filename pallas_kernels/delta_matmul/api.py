@@ -38,7 +38,7 @@ from pallas_kernels.platform import (
 
 from . import cpu, mosaic_gpu, pallas_gpu
 from .config import Config, MosaicConfig
-from .reference import delta_matmul_reference
+from .reference import delta_matmul_reference, with_reference_vjp
 
 IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas_triton", "mosaic_gpu")
 # The Pallas Triton lowering is deprecated from jax 0.11: only a fallback where it still lowers.
@@ -131,32 +131,10 @@ def _run(
   config: Config | MosaicConfig | None,
 ):
   if name in ("cpu", "pallas_triton", "mosaic_gpu"):  # kernels XLA cannot differentiate through
-    return _with_reference_vjp(name, g, interpret, config)(x, w_base, scale, bits, slot_ids)
+    kernel = lambda x, w, s, b, i: _run_impl(  # noqa: E731
+      name, x, w, b, s, i, g=g, interpret=interpret, config=config)
+    return with_reference_vjp(kernel, g)(x, w_base, scale, bits, slot_ids)
   return _run_impl(name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret, config=config)
-
-
-def _with_reference_vjp(name: str, g: int, interpret: bool, config: Config | MosaicConfig | None):
-  """The kernel forward, with gradients (w.r.t. x, w_base and scale) of the reference formula,
-  so scale distillation and fine-tuning can run through any implementation."""
-
-  @jax.custom_vjp
-  def f(x, w_base, scale, bits, slot_ids):
-    return _run_impl(
-      name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret, config=config
-    )
-
-  def fwd(x, w_base, scale, bits, slot_ids):
-    return f(x, w_base, scale, bits, slot_ids), (x, w_base, scale, bits, slot_ids)
-
-  def bwd(res, ct):
-    x, w_base, scale, bits, slot_ids = res
-    _, vjp = jax.vjp(
-      lambda x, w, s: delta_matmul_reference(x, w, bits, s, slot_ids, group_k=g), x, w_base, scale
-    )
-    return (*vjp(ct), None, None)
-
-  f.defvjp(fwd, bwd)
-  return f
 
 
 def _run_impl(

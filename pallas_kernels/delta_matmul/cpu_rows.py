@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bitdelta_jax import native
+from pallas_kernels.delta_matmul.reference import with_reference_vjp
 
 MAX_ROWS = 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
@@ -90,29 +91,12 @@ def rows_call(x, w, bits=None, scale=None, slots=None, *, group_k: int = 8,
     reason = _load()
     if reason:
       raise NotImplementedError(reason)
-  return _rows(x, w, bits.astype(jnp.uint8), scale, slots.astype(jnp.int32), group_k, target)
+  kernel = functools.partial(_kernel, group_k=group_k, target=target)
+  return with_reference_vjp(kernel, group_k, f32=True)(
+    x, w, scale, bits.astype(jnp.uint8), slots.astype(jnp.int32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _rows(x, w, bits, scale, slots, group_k, target):
+def _kernel(x, w, scale, bits, slots, *, group_k, target):
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
                           vmap_method="sequential")
   return call(x.astype(jnp.float32), w, bits, scale, slots, group_k=np.int64(group_k))
-
-
-def _rows_fwd(x, w, bits, scale, slots, group_k, target):
-  return _rows(x, w, bits, scale, slots, group_k, target), (x, w, bits, scale, slots)
-
-
-def _rows_bwd(group_k, target, res, ct):
-  from pallas_kernels.delta_matmul.reference import delta_matmul_reference
-
-  x, w, bits, scale, slots = res
-  f32 = jnp.float32
-  _, vjp = jax.vjp(lambda x, w, a: delta_matmul_reference(
-    x.astype(f32), w.astype(f32), bits, a, slots, group_k=group_k), x, w, scale)
-  gx, gw, ga = vjp(ct)
-  return gx.astype(x.dtype), gw.astype(w.dtype), None, ga, None
-
-
-_rows.defvjp(_rows_fwd, _rows_bwd)

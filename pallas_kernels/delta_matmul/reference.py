@@ -46,3 +46,27 @@ def delta_matmul_reference(
     d = per_slot[slot_ids, m]  # [M, N]
     d = jnp.where((slot_ids == 0)[:, None], 0.0, d)
   return (base + d).astype(x.dtype)
+
+
+def with_reference_vjp(forward, group_k: int, *, f32: bool = False):
+  """``forward(x, w_base, scale, bits, slot_ids)`` — a kernel XLA cannot differentiate through —
+  with the gradients (w.r.t. x, w_base and scale) of `delta_matmul_reference`, so scale
+  distillation and fine-tuning run through any implementation. ``f32``: the reference runs on
+  x and w_base cast to f32 (for a kernel that computes in f32 whatever their dtypes)."""
+
+  @jax.custom_vjp
+  def f(x, w_base, scale, bits, slot_ids):
+    return forward(x, w_base, scale, bits, slot_ids)
+
+  def fwd(x, w_base, scale, bits, slot_ids):
+    return f(x, w_base, scale, bits, slot_ids), (x, w_base, scale, bits, slot_ids)
+
+  def bwd(res, ct):
+    x, w_base, scale, bits, slot_ids = res
+    cast = (lambda a: a.astype(jnp.float32)) if f32 else (lambda a: a)
+    _, vjp = jax.vjp(lambda x, w, s: delta_matmul_reference(
+      cast(x), cast(w), bits, s, slot_ids, group_k=group_k), x, w_base, scale)
+    return (*vjp(ct), None, None)
+
+  f.defvjp(fwd, bwd)
+  return f
