@@ -326,11 +326,11 @@ class PagedRunner:
     self._restack()
 
   def _set_state(self, state) -> None:
-    """Keeps ``state`` and its leaves: the tuple every step passes (see the module docstring)."""
+    """Keeps ``state``'s leaves: the tuple every step passes (see the module docstring)."""
     leaves, treedef = jax.tree.flatten(state)
     if treedef != self._state_def:  # the compiled steps unflatten with the first structure
       raise ValueError("the model's state changed structure since the runner was built")
-    self.state, self._params = state, tuple(leaves)
+    self._params = tuple(leaves)
 
   # -- layers as one scan ---------------------------------------------------------------------
   def _restack(self) -> None:
