@@ -12,7 +12,9 @@ pages are converted in registers); online softmax in base 2 against the running 
 program writes its partial (maximum, sum of exponentials, unnormalised output); `combine` (plain
 jnp, after the kernel) rescales the splits to their common maximum and divides once. A lane with
 ``lane_len == 0``, or with no key in its window, gets zeros. Unlike the reference, the
-probabilities are not rounded to the value dtype before the weighted sum.
+probabilities are not rounded to the value dtype before the weighted sum. Keys outside a lane's
+window and length are masked by selection (scores to ``-inf``, value rows to 0), never by a
+zero probability alone: a recycled page's stale rest may hold NaN.
 
 Backend: Mosaic GPU (``plgpu.kernel``), grid ``(num_splits, KV, R)``, one warpgroup (128
 threads) per program. A KV head has few query heads (G = 3 for SmolLM2, 4 for Llama-8B) against
@@ -266,6 +268,9 @@ def decode_partials(
         for qj in qs
       ]
       vb = cast(v_buf[slot], tiled).astype(jnp.float32)
+      # rows past the lane's length (a page's stale rest, a table's stale page) are selected
+      # away: their probability 0 times a stale NaN would still be NaN
+      vb = jnp.where(lax.broadcast_in_dim(valid, (bk, d), (0,)), vb, 0.0)
       out = []
       for j in range(g):
         m, total, acc = carry[j]

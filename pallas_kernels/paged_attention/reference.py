@@ -18,6 +18,15 @@ runs for ``blocks[0]`` (decode) and ``blocks[1]`` (prefill) blocks, counts the h
 from the actual lengths: the cost follows the longest live sequence, never the maximum length,
 and the shapes depend only on ``N`` (the token bucket). ``window`` (an int, possibly traced, or
 None) limits a query to the keys ``> position - window`` (sliding-window layers).
+
+Isolation: masks are selections, never products with 0 (``0 · NaN = NaN``). A score outside a
+query's keys is replaced by ``-inf`` and its probability by 0, and every value row ``P·V`` reads
+is selected first: decode lanes keep the rows of their own keys (a page's rest past the lane's
+length may hold a recycled page's stale values), packed prefill keeps the filled rows of its
+pages whose values are finite. Packed sequences share one ``P·V`` product, so a non-finite
+value of one sequence would reach every query through its zero probabilities; it counts as 0
+instead (its own sequence is non-finite already: what made its values non-finite is in its
+residual stream, or in weights registration refuses).
 """
 
 from __future__ import annotations
@@ -78,6 +87,7 @@ def decode_lanes(
     s = jnp.einsum("rkgd,rskd->rkgs", qd, k, preferred_element_type=jnp.float32) * scale
     kpos = j * bk + offs
     valid = (kpos[None] < lane_len[:, None]) & (kpos[None] > lane_q[:, None] - window)
+    v = jnp.where(valid[:, :, None, None], v, jnp.zeros((), v.dtype))  # stale rows never enter
     return _update(carry, s, valid[:, None, None], v, "rkgs,rskd->rkgd")
 
   dec = _finish(jax.lax.fori_loop(0, blocks[0], lane_block, _init(r, kv, g, d)), q_NxHxD.dtype)
@@ -132,6 +142,8 @@ def packed_prefill(
       & (kpos[None] <= positions[:, None])
       & (kpos[None] > positions[:, None] - window)
     )
+    # one P·V for every packed query: rows no query may read (stale, or non-finite) become 0
+    v = jnp.where(kvalid[:, None, None] & jnp.isfinite(v), v, jnp.zeros((), v.dtype))
     return _update(carry, s, valid[:, None, None], v, "nkgs,skd->nkgd")
 
   pre = _finish(jax.lax.fori_loop(0, blocks[1], packed_block, _init(n, kv, g, d)), q_NxHxD.dtype)
