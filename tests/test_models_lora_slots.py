@@ -118,3 +118,35 @@ def test_lora_delta_of_many_rows_equals_each_rows_slot_product():
                                  jnp.asarray(slots)))
     want = np.stack([x[i] @ a[s] @ b[s] for i, s in enumerate(slots)])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 64, 65, 130])
+def test_lora_delta_keeps_a_non_finite_slot_to_its_own_rows(rows):
+  """Slot 2's A holds NaN and slot 3's B inf (and a NaN): the rows of slots 0 and 1 equal what
+  they are with those slots' factors zeroed, exactly, below and above the 64-row switch."""
+  from bitdelta_jax.models.layers import _LORA_GATHER_MAX_ROWS, _lora_delta
+
+  assert _LORA_GATHER_MAX_ROWS == 64  # the parametrization straddles it
+  rng = np.random.default_rng(1)
+  a = rng.standard_normal((4, 12, 3)).astype(np.float32)
+  b = rng.standard_normal((4, 3, 7)).astype(np.float32)
+  a[0], b[0] = 0.0, 0.0  # slot 0 is the base
+  x = rng.standard_normal((rows, 1, 12)).astype(np.float32)
+  slots = np.arange(rows, dtype=np.int32) % 4
+  bad_a, bad_b = a.copy(), b.copy()
+  bad_a[2, 5, 1] = np.nan
+  bad_b[3, 0, 2], bad_b[3, 1, 4] = np.inf, np.nan
+  clean_a, clean_b = a.copy(), b.copy()
+  clean_a[2:], clean_b[2:] = 0.0, 0.0
+
+  def run(a, b):
+    return np.asarray(_lora_delta(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b),
+                                  jnp.asarray(slots)))
+
+  got, clean = run(bad_a, bad_b), run(clean_a, clean_b)
+  tenant = slots < 2
+  assert np.isfinite(got[tenant]).all()
+  np.testing.assert_array_equal(got[tenant], clean[tenant])
+  want = np.stack([x[i] @ a[s] @ b[s] for i, s in enumerate(slots)])
+  np.testing.assert_allclose(got[tenant], want[tenant], rtol=1e-5, atol=1e-5)
+  assert not np.isfinite(got[slots == 2]).all()  # the NaN stays in its own rows

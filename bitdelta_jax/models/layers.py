@@ -207,20 +207,26 @@ def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k:
   return (alpha * signs).reshape(b, t, k)
 
 
-_LORA_GATHER_MAX_ROWS = 64  # above: every slot's factors once, rows picked by a one-hot
+_LORA_GATHER_MAX_ROWS = 64  # above: every slot's factors once, each row's own slot selected
 
 
 def _lora_delta(x_BxTxK, a_SxKxR, b_SxRxN, slot_ids_B) -> jax.Array:
   """f32 ``x · A[s] · B[s]`` with each row's slot ``s``. Few rows gather their slot's factors;
   many rows (a ragged step has a row per token) multiply by every slot's and keep their own,
-  which reads the factors once instead of once per row."""
+  which reads the factors once instead of once per row.
+
+  Many rows: a row's ``x · A`` of the other slots is selected away (not multiplied by 0: a
+  slot's NaN factor would survive as ``0 · NaN``), and the product with B, one contraction over
+  every slot, reads a non-finite entry of B as 0, so one slot's corrupt B cannot reach the rows
+  of the others (registration refuses such adapters; this keeps a slot that holds one apart)."""
   x = x_BxTxK.astype(jnp.float32)
   if x.shape[0] <= _LORA_GATHER_MAX_ROWS:
     xa = jnp.einsum("btk,bkr->btr", x, _rows(a_SxKxR, slot_ids_B))
     return jnp.einsum("btr,brn->btn", xa, _rows(b_SxRxN, slot_ids_B))
-  onehot = (slot_ids_B[:, None] == jnp.arange(a_SxKxR.shape[0])[None]).astype(jnp.float32)
-  xa = jnp.einsum("btk,skr->btsr", x, a_SxKxR) * onehot[:, None, :, None]
-  return jnp.einsum("btsr,srn->btn", xa, b_SxRxN)
+  own = slot_ids_B[:, None] == jnp.arange(a_SxKxR.shape[0])[None]  # [B, S]
+  xa = jnp.where(own[:, None, :, None], jnp.einsum("btk,skr->btsr", x, a_SxKxR), 0.0)
+  b = jnp.where(jnp.isfinite(b_SxRxN), b_SxRxN, 0.0)  # [S, r, N]: 1/B of the product's work
+  return jnp.einsum("btsr,srn->btn", xa, b)
 
 
 class DeltaDense(nnx.Module):
