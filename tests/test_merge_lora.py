@@ -105,3 +105,46 @@ def test_saved_adapter_loads_in_peft(tmp_path):
   theirs = state(pm.merge_and_unload())
   for k, v in merged.items():
     np.testing.assert_allclose(theirs[k], v, atol=1e-6, err_msg=k)
+
+
+def _factors(rank=2, n_in=8, n_out=6):
+  rng = np.random.default_rng(0)
+  return {"model.layers.0.self_attn.q_proj": (
+    rng.standard_normal((rank, n_in)).astype(np.float32),
+    rng.standard_normal((n_out, rank)).astype(np.float32))}
+
+
+@pytest.mark.parametrize("side", ["A", "B"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_factors_are_refused_naming_file_and_tensor(tmp_path, side, value):
+  from bitdelta_jax.hf.safetensors_io import CheckpointError
+  from bitdelta_jax.merge.lora import WEIGHTS_FILE, from_factors
+
+  factors = _factors()
+  (a, b), = factors.values()
+  (a if side == "A" else b)[1, 1] = value
+  save_adapter(from_factors(factors), tmp_path / "bad")
+  with pytest.raises(CheckpointError, match="non-finite") as ei:
+    load_adapter(tmp_path / "bad")
+  name = f"base_model.model.model.layers.0.self_attn.q_proj.lora_{side}.weight"
+  assert str(tmp_path / "bad" / WEIGHTS_FILE) in str(ei.value) and repr(name) in str(ei.value)
+
+
+def test_rank_zero_is_refused(tmp_path):
+  """r: 0 in adapter_config.json (or factors of rank 0) is a clear error, not a division by
+  zero."""
+  import json
+
+  from bitdelta_jax.hf.safetensors_io import CheckpointError
+  from bitdelta_jax.merge.lora import CONFIG_FILE, from_factors
+
+  save_adapter(from_factors(_factors()), tmp_path / "r0")
+  cfg = json.loads((tmp_path / "r0" / CONFIG_FILE).read_text())
+  (tmp_path / "r0" / CONFIG_FILE).write_text(json.dumps(dict(cfg, r=0)))
+  with pytest.raises(CheckpointError, match="r is 0; a LoRA rank must be an integer >= 1"):
+    load_adapter(tmp_path / "r0")
+  save_adapter(from_factors(_factors(rank=0)), tmp_path / "empty")
+  cfg = json.loads((tmp_path / "empty" / CONFIG_FILE).read_text())
+  (tmp_path / "empty" / CONFIG_FILE).write_text(json.dumps(dict(cfg, r=1)))
+  with pytest.raises(CheckpointError, match="has rank 0"):
+    load_adapter(tmp_path / "empty")

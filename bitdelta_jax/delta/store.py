@@ -78,8 +78,23 @@ def write_array(path: Path, a: np.ndarray) -> dict:
   return {"shape": list(a.shape), "dtype": a.dtype.name, "crc32": crc32(a)}
 
 
+def check_finite(a: np.ndarray, where: str) -> None:
+  """Raises `DeltaStoreError` if floating-point ``a`` holds inf or NaN. A variant's weights
+  must be finite: in a shared batch one non-finite α or factor makes its own rows NaN, and no
+  served variant has a use for one (``where`` names the tensor and the file)."""
+  if a.dtype.kind in "biu":  # bits, codes, widths
+    return
+  bad = ~np.isfinite(a)
+  if bad.any():
+    first = np.unravel_index(int(np.argmax(bad)), a.shape)
+    raise DeltaStoreError(
+      f"{where}: {int(bad.sum())} non-finite value(s) (first {a[first]} at index "
+      f"{[int(i) for i in first]}): a variant's weights must be finite")
+
+
 def read_array(path: Path, meta: Mapping, *, verify: bool = True, index=None) -> np.ndarray:
-  """Reads one stored array (or ``index``, a tuple of slices, of it) and checks it."""
+  """Reads one stored array (or ``index``, a tuple of slices, of it) and checks it: shape,
+  crc32 (``verify``, whole arrays) and, always, that its values are finite (`check_finite`)."""
   if not path.exists():
     raise DeltaStoreError(f"{path}: array file is missing")
   try:
@@ -93,6 +108,7 @@ def read_array(path: Path, meta: Mapping, *, verify: bool = True, index=None) ->
     raise DeltaStoreError(f"{path}: corrupt or truncated array ({e})") from None
   if verify and index is None and crc32(a) != meta["crc32"]:
     raise DeltaStoreError(f"{path}: checksum mismatch: the array is corrupt")
+  check_finite(a, f"{path}: tensor {path.parent.name!r}")  # arrays/<tensor>/<field>
   return a
 
 

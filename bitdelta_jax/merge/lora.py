@@ -78,8 +78,31 @@ def _pattern_value(pattern: dict, module: str, default):
   return default
 
 
+def _check_finite(a: np.ndarray, where: str) -> None:
+  """A factor with inf or NaN is a `CheckpointError` (served beside other variants, it would
+  make its own rows NaN; nothing has a use for one)."""
+  if a.dtype.kind in "biu":
+    return
+  bad = ~np.isfinite(a)
+  if bad.any():
+    raise CheckpointError(f"{where}: {int(bad.sum())} non-finite value(s) (inf or NaN): a "
+                          "LoRA adapter's factors must be finite")
+
+
+def _check_ranks(path: Path, config: dict) -> None:
+  """``r`` and ``rank_pattern`` in adapter_config.json must be positive integers (PEFT divides
+  lora_alpha by them)."""
+  ranks = {"r": config.get("r", 8)}
+  ranks.update({f"rank_pattern[{k!r}]": v for k, v in (config.get("rank_pattern") or {}).items()})
+  for key, r in ranks.items():
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+      raise CheckpointError(f"{path / CONFIG_FILE}: {key} is {r!r}; a LoRA rank must be an "
+                            "integer >= 1")
+
+
 def load_adapter(path: str | Path) -> LoraAdapter:
-  """Reads a PEFT LoRA adapter directory."""
+  """Reads a PEFT LoRA adapter directory. Refuses (`CheckpointError`, naming the file and the
+  tensor or field) factors that are not finite and ranks below 1."""
   path = Path(path)
   cfg_path = path / CONFIG_FILE
   if not cfg_path.exists():
@@ -100,7 +123,10 @@ def load_adapter(path: str | Path) -> LoraAdapter:
         if "lora_embedding" in name or "lora_magnitude" in name:
           raise NotImplementedError(f"{path}: tensor {name!r} (embedding LoRA / DoRA)")
         continue  # e.g. modules_to_save copies; not part of the low-rank delta
-      parts.setdefault(m["module"], {})[m["ab"]] = reader.read(name)
+      a = reader.read(name)
+      _check_finite(a, f"{weights}: tensor {name!r}")
+      parts.setdefault(m["module"], {})[m["ab"]] = a
+  _check_ranks(path, config)
   alpha0 = config.get("lora_alpha", config.get("r", 8))
   rslora = bool(config.get("use_rslora", False))
   fan = bool(config.get("fan_in_fan_out", False))
@@ -112,6 +138,9 @@ def load_adapter(path: str | Path) -> LoraAdapter:
     r = a.shape[0]
     if b.shape[1] != r:
       raise CheckpointError(f"{path}: {module}: lora_A {a.shape} and lora_B {b.shape} disagree")
+    if r == 0:
+      raise CheckpointError(f"{path}: {module}: lora_A {a.shape} has rank 0 (a LoRA module "
+                            "needs rank >= 1)")
     alpha = _pattern_value(config.get("alpha_pattern"), module, alpha0)
     scale = alpha / math.sqrt(r) if rslora else alpha / r
     modules[module] = LoraModule(A=a, B=b, scale=float(scale), fan_in_fan_out=fan)
