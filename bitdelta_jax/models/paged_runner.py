@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -55,6 +56,7 @@ from bitdelta_jax.models.pytrees import register_step_data
 from bitdelta_jax.models.sampling import row_keys, sample
 
 register_step_data()
+log = logging.getLogger("bitdelta_jax.paged_runner")
 
 
 def run_impl(graphdef, state_def, layer_def, layers_def, params, stacked, k_pool, v_pool,
@@ -102,17 +104,22 @@ def copy_pages_impl(k_pool, v_pool, src, dst, *, implementation=None):
 
 
 def _register_native_kernels() -> None:
-  """Registers the CPU kernels' FFI targets, which a program loaded from the step cache calls
-  without having been traced (tracing is what registers them otherwise)."""
+  """Registers every CPU kernel's FFI targets, which a program loaded from the step cache calls
+  without having been traced (tracing is what registers them otherwise; a target left out here
+  made its programs fail to load at every warm start)."""
   if jax.default_backend() != "cpu":
     return
   from pallas_kernels.delta_matmul import cpu as delta_cpu
+  from pallas_kernels.delta_matmul import cpu_rows
   from pallas_kernels.paged_attention import cpu as attention_cpu
   from pallas_kernels.small_matmul import cpu as small_cpu
+  from pallas_kernels.small_matmul import cpu_bf16 as small_bf16
 
-  delta_cpu.isa()
+  delta_cpu.isa()  # the delta term, the merged product and the one-slot expansion
+  cpu_rows._load()  # the few-rows kernel (decode)
   small_cpu._load()
-  attention_cpu.build_reason()  # the decode attention and the in-place K/V write
+  small_bf16._load()
+  attention_cpu.build_reason()  # the decode attention, the in-place K/V write and the gather
 
 
 def scan_layers_default() -> bool:
@@ -141,9 +148,10 @@ class PagedRunner:
     self.num_pages, self.page_size = int(num_pages), shapes.page_size
     self.max_seq_len = shapes.max_seq_len
     self.layout = MeshLayout.of(model, mesh, rules)
-    shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads, cfg.head_dim)
-    self.k_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
-    self.v_pool = self.layout.zeros(shape, model.dtype, self.layout.kv)
+    self._pool_shape = (cfg.num_layers, self.num_pages, self.page_size, cfg.num_kv_heads,
+                        cfg.head_dim)
+    self.k_pool = self.v_pool = None
+    self.reset_pools()
     if scan_layers is None:  # see `scan_layers_default`
       scan_layers = scan_layers_default()
     self.scan_layers = bool(scan_layers)
@@ -172,6 +180,8 @@ class PagedRunner:
     # compiled steps on disk (`step_cache`): one process only (see that module)
     self.step_cache_dir = step_cache_dir if jax.process_count() == 1 else None
     self.loaded_programs = 0  # programs `compile_all` took from the step cache
+    self.probe_s = 0.0  # seconds `compile_all` spent running each program once
+    self.probe_failures = 0  # programs that failed that first run (then recompiled)
 
   @property
   def mesh(self):
@@ -225,8 +235,11 @@ class PagedRunner:
   def compile_all(self, forms: Sequence[bool] = (False,), threads: int = 2,
                   progress=None) -> float:
     """Compiles the step for every token bucket in each form of ``forms`` (``base_only``
-    values; the engine asks for one) ahead of time, ``threads`` at a time, and the page copy; returns the seconds it took. Every later
-    step then runs a program compiled here (with `guard` on, any other raises)."""
+    values; the engine asks for one) ahead of time, ``threads`` at a time, and the page copy;
+    returns the seconds it took. Each program then runs once on a padding batch (`_probe`:
+    SmolLM2's 11 programs take ~1 s on 2 cores), so one that cannot run is recompiled here
+    rather than met by a request. Every later step runs a program compiled here (with `guard`
+    on, any other raises)."""
     t0 = time.perf_counter()
     todo = [(n, f) for f in forms for n in self.shapes.buckets()
             if (n, f) not in self._compiled]
@@ -238,14 +251,11 @@ class PagedRunner:
     def one(key):
       n, f = key
       t = time.perf_counter()
-      ck = step_cache.step_key(self._program_parts(n, f)) if cache is not None else None
-      compiled = step_cache.load(cache, ck) if cache is not None else None
+      compiled = None if cache is None else step_cache.load(cache, self._cache_key(n, f))
       how = "loaded"
       if compiled is None:
         how = "compiled"
-        compiled = self.lower(self.shapes.empty(n), f).compile()
-        if cache is not None:
-          step_cache.save(cache, ck, compiled)
+        compiled = self._compile(n, f)
       if progress:
         progress(f"{how} the {'base-only' if f else 'variant'} step of {n} tokens "
                  f"({time.perf_counter() - t:.1f} s)")
@@ -255,12 +265,62 @@ class PagedRunner:
       for key, compiled, loaded in ex.map(one, todo):
         self._compiled[key] = compiled
         self.loaded_programs += loaded
+    t = time.perf_counter()
+    for key in todo:
+      self._probe(*key, progress)
+    self.probe_s += time.perf_counter() - t
     if self._copy_compiled is None:
       z = np.zeros((COPY_BATCH,), np.int32)
       self._copy_compiled = self._copy_pages.lower(self.k_pool, self.v_pool,
                                                    *self._replicated((z, z))).compile()
     self.warm = True
     return time.perf_counter() - t0
+
+  def _cache_key(self, n: int, base_only: bool) -> str:
+    return step_cache.step_key(self._program_parts(n, base_only))
+
+  def _compile(self, n: int, base_only: bool):
+    """The step of ``n`` tokens, compiled; with the step cache, really compiled here (not
+    taken from JAX's persistent cache, whose programs cannot be re-serialized) and saved."""
+    if self.step_cache_dir is None:
+      return self.lower(self.shapes.empty(n), base_only).compile()
+    with step_cache.fresh_compile():
+      compiled = self.lower(self.shapes.empty(n), base_only).compile()
+    step_cache.save(self.step_cache_dir, self._cache_key(n, base_only), compiled)
+    return compiled
+
+  def _probe(self, n: int, base_only: bool, progress=None) -> None:
+    """Runs the program of ``n`` tokens once on a padding batch (it writes only the reserved
+    page 0), so a program that cannot run is found before serving: it is recompiled (its
+    step-cache entry replaced) and run again; a second failure raises. Every process of a
+    multi-process server probes the same programs in the same order."""
+    key = (n, bool(base_only))
+    try:
+      self._run_padding(key)
+      return
+    except Exception as e:  # noqa: BLE001  a loaded program that cannot run: recompile it
+      self.probe_failures += 1
+      why = f"{type(e).__name__}: {str(e)[:300]}"
+      log.warning("the step of %d tokens failed its first run (%s); recompiling it", n, why)
+      if progress:
+        progress(f"the step of {n} tokens failed its first run ({why}); recompiling it")
+      self.reset_pools()  # the failed call may have consumed the donated pools (still empty)
+    self._compiled[key] = self._compile(n, base_only)
+    self._run_padding(key)
+
+  def _run_padding(self, key: tuple) -> None:
+    out = self._compiled[key](self._params, self._layers, self.k_pool, self.v_pool,
+                              self._inputs(self.shapes.empty(key[0])))
+    self.k_pool, self.v_pool, out = out
+    jax.block_until_ready((self.k_pool, self.v_pool, out))
+
+  def reset_pools(self) -> None:
+    """Fresh zeroed KV pools. After a failed step: a call that fails may have consumed the
+    pools donated to it, and every later step would then fail too. The caller has dropped every
+    sequence and cached prefix that lived in the old pools."""
+    self.k_pool = self.v_pool = None  # the old ones go before the new ones are allocated
+    self.k_pool = self.layout.zeros(self._pool_shape, self.model.dtype, self.layout.kv)
+    self.v_pool = self.layout.zeros(self._pool_shape, self.model.dtype, self.layout.kv)
 
   def release(self) -> None:
     """Drops the compiled programs (the engine calls it when its device thread ends). XLA's CPU

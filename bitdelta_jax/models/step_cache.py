@@ -16,10 +16,21 @@ and the caller's parts (model config, dtypes, every input's shape, dtype and sha
 arguments). A stale or foreign entry therefore never matches; an entry that fails to load is
 ignored (and overwritten by the next save). Single-process only: the engine does not use it
 across processes, where each process's executable is one part of a distributed program.
+
+Only programs compiled in this process are saved (`fresh_compile`). A program that JAX's own
+persistent cache returned was deserialized, and XLA's CPU client does not keep the object code
+of a deserialized executable: serialized again it holds the symbol names without their code
+(10.3 KB instead of 18.3 KB for a small test program), loads in another process and then fails
+its first run ("Function compare_convert_fusion not found"). Within the process that loaded it
+the symbols are still resident, which is why a test that saves and loads in one process cannot
+see it (tests/test_step_restarts.py runs each start in its own process). The engine also runs
+each program once on a padding batch before serving (`PagedRunner.compile_all`), so a bad
+entry that still gets through is recompiled at start, never met by a request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -72,6 +83,17 @@ def step_key(parts) -> str:
   return hashlib.sha256(repr(full).encode()).hexdigest()
 
 
+@contextlib.contextmanager
+def fresh_compile():
+  """Within it (on this thread), compiles bypass JAX's persistent compilation cache: the
+  program is really compiled here, so `save` stores its object code (see the module
+  docstring). JAX's cache still serves every compile outside it."""
+  from jax._src import config as jax_config
+
+  with jax_config.enable_compilation_cache(False):
+    yield
+
+
 def _path(root, key: str) -> pathlib.Path:
   return pathlib.Path(root) / f"step-{key[:40]}.bin"
 
@@ -92,7 +114,8 @@ def load(root, key: str):
 
 
 def save(root, key: str, compiled) -> None:
-  """Stores ``compiled`` under ``key`` (atomically; failures only log)."""
+  """Stores ``compiled`` under ``key`` (atomically; failures only log). ``compiled`` must come
+  from a compile under `fresh_compile`, not from JAX's persistent cache."""
   try:
     from jax.experimental.serialize_executable import serialize
 
