@@ -90,6 +90,8 @@ class Server:
     self.bad_variants: dict[str, str] = {}  # configured but left out: name -> why
     self.pool_members = ()  # `serving.registry.PoolMember`s of cfg.kmerge_pool
     self.started = time.time()
+    # set on the event loop when the engine gives up (`Engine.fatal`): the CLI exits non-zero
+    self.engine_failed = asyncio.Event()
 
   # -- lifecycle -------------------------------------------------------------------------------
   async def startup(self, _app=None) -> None:
@@ -128,6 +130,7 @@ class Server:
     self._add_pool_tasks()
     self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
                          lora_rank=lora_rank, extra_vocab=extra, packed_embedding_slots=packed)
+    self.engine.on_fatal = lambda why: loop.call_soon_threadsafe(self.engine_failed.set)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
                             write_slot=self._write_slot, io_pool=self.io)
@@ -347,8 +350,11 @@ class Server:
     stalled = e.stall_report() if e is not None else None
     if stalled:
       extra["stalled"] = stalled
+    failed = e.failure_report() if e is not None else None
+    if failed:
+      extra["step_failures"] = failed
     status = "unavailable" if not ok and not lost else "degraded" if (
-      lost or self.bad_variants or stalled) else "ok"
+      lost or self.bad_variants or stalled or failed) else "ok"
     return web.json_response({
       "status": status, **extra,
       "model": self.cfg.model_id,

@@ -111,6 +111,12 @@ class Engine:
     self.stalled_total = 0  # sequences failed by the stall watchdog
     self.last_stall: float | None = None  # time.monotonic() of the last one
     self._live: set[GenRequest] = set()  # paged loop: choices added and not yet ended
+    self.step_failures = 0  # steps that raised (the engine recovered from each)
+    self.failures_in_row = 0  # since the last step that succeeded
+    self.last_step_error: str | None = None
+    self.fatal: str | None = None  # why the engine gave up (too many failed steps in a row)
+    # called on the device thread when the engine gives up (the CLI exits non-zero)
+    self.on_fatal: Callable[[str], None] | None = None
 
   # -- public (any thread) -----------------------------------------------------------------
   def start(self) -> concurrent.futures.Future:
@@ -128,11 +134,15 @@ class Engine:
       r.group = list(reqs)
     self.queue_depth += 1  # approximate (racy by one at worst); the device thread corrects it
     self._inbox.put(("req", reqs))
+    if self.fatal is not None:  # the device thread is gone (or going): nothing would answer
+      self._refuse_queued()
 
   def call(self, fn: Callable) -> concurrent.futures.Future:
     """Runs ``fn(generator)`` on the device thread between decode steps."""
     fut: concurrent.futures.Future = concurrent.futures.Future()
     self._inbox.put(("call", fn, fut))
+    if self.fatal is not None:
+      self._refuse_queued()
     return fut
 
   def stop(self, timeout: float = 30.0) -> None:
@@ -258,15 +268,13 @@ class Engine:
       try:
         res = gen.step()
       except Exception as e:  # noqa: BLE001  one failed step must not stop the engine
-        log.exception("engine step failed")
-        for s in list(gen.running) + list(gen.waiting):
-          gen.finish(s)
-        for r in list(self._live):
-          self._emit(r, Event("error", message=f"engine step failed: {e}", code=_code(e)))
+        if not self._step_failed(gen, e):
+          return
         continue
       finally:
         self.step_started = None
       self.steps += 1
+      self.failures_in_row = 0
       for s, msg in res.errors:
         self._emit(s.tag, Event("error", message=msg))
       now = time.perf_counter()
@@ -283,6 +291,70 @@ class Engine:
         if self._accept(r, tok, now, s):
           gen.finish(s)
       self._gauges(len(gen.running), len(gen.waiting), gen.max_rows)
+
+  def _step_failed(self, gen, e: Exception) -> bool:
+    """A step raised. Its requests end with an error event and the engine recovers
+    (`PagedGenerator.recover`: their pages released, the KV pools rebuilt, cached prefixes
+    dropped), so the next request is served; `/health` says "degraded" until a step succeeds.
+    After ``cfg.max_step_failures`` failures in a row the engine gives up: every live request
+    ends, `fatal` says why and ``on_fatal`` is called (the CLI then exits non-zero, for a
+    supervisor to restart it). Returns False when the loop must end."""
+    log.exception("engine step failed")
+    self.step_failures += 1
+    self.failures_in_row += 1
+    self.last_step_error = f"{type(e).__name__}: {str(e)[:500]}"
+    self.metrics.step_failures.inc()
+    message = f"engine step failed: {e}"
+    if gen.lost:  # a lost worker: nothing can run again (/health says why)
+      for s in list(gen.running) + list(gen.waiting):
+        gen.finish(s)
+      for r in list(self._live):
+        self._emit(r, Event("error", message=message, code=_code(e)))
+      return True
+    try:
+      failed = gen.recover()
+    except Exception as again:  # noqa: BLE001  cannot even rebuild the pools
+      log.exception("engine could not recover from a failed step")
+      failed, self.failures_in_row = [], max(self.failures_in_row, self.cfg.max_step_failures)
+      message = f"{message} (recovery failed: {again})"
+    if self.failures_in_row < self.cfg.max_step_failures:
+      for s in failed:
+        self._emit(s.tag, Event("error", message=message, code="step_failed"))
+      return True
+    self.fatal = (f"{self.failures_in_row} engine steps failed in a row (last: "
+                  f"{self.last_step_error}); the server stops so that it can be restarted")
+    log.critical("%s", self.fatal)
+    self.alive = False  # new requests get a 503 from now on
+    for r in [s.tag for s in failed] + list(self._live):  # a 503: retry on another replica
+      self._emit(r, Event("error", message=self.fatal, code="engine_failed"))
+    self._refuse_queued()
+    if self.on_fatal is not None:
+      try:
+        self.on_fatal(self.fatal)
+      except Exception:  # noqa: BLE001
+        log.exception("on_fatal failed")
+    return False
+
+  def _refuse_queued(self) -> None:
+    """After the engine gave up: queued requests end with its reason, queued calls raise."""
+    while True:
+      try:
+        item = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      if item[0] == "req":
+        for r in item[1]:
+          self._emit(r, Event("error", message=self.fatal, code="engine_failed"))
+      elif item[0] == "call" and item[2].set_running_or_notify_cancel():
+        item[2].set_exception(RuntimeError(self.fatal))
+
+  def failure_report(self) -> dict | None:
+    """The failed steps since the last step that succeeded (`/health` says "degraded" while
+    there are any), or None."""
+    if not self.failures_in_row and self.fatal is None:
+      return None
+    return {"in_a_row": self.failures_in_row, "total": self.step_failures,
+            "last_error": self.last_step_error, **({"fatal": self.fatal} if self.fatal else {})}
 
   def _sweep(self, gen) -> None:
     """Gives every live choice that can no longer produce tokens its last event, so that none

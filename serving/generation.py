@@ -39,7 +39,8 @@ from serving.tools import tool_plan
 
 DISCONNECT_POLL_S = 0.25
 # an engine error event's code -> the HTTP status of a non-streamed answer (others: 500)
-ERROR_STATUS = {"worker_lost": 503, "variant_deleted": 410}
+# (engine_failed: the engine gave up after failed steps and the server is exiting)
+ERROR_STATUS = {"worker_lost": 503, "variant_deleted": 410, "engine_failed": 503}
 
 
 async def generate(server, request: web.Request, *, chat: bool) -> web.StreamResponse:

@@ -74,6 +74,8 @@ class Metrics:
                            registry=r)
     self.stalled = Counter("bitdelta_stalled_sequences", "Choices failed by the stall watchdog "
                            "(no progress for stall_timeout_s: a server fault)", registry=r)
+    self.step_failures = Counter("bitdelta_step_failures", "Engine steps that raised (their "
+                                 "requests failed; the engine rebuilt its KV pools)", registry=r)
 
   def set_tier(self, model: str, tier: str | None) -> None:
     for t in TIERS:

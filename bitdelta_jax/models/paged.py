@@ -125,6 +125,7 @@ class PagedGenerator:
     self._order = itertools.count()
     self.shapes_run: set[tuple] = set()  # (tokens bucket, base_only) of every step run
     self.steps = 0  # scheduler iterations run (the clock of `Seq.progress_step`)
+    self._in_step: list[Seq] = []  # the sequences of the step in progress (`recover`)
 
   @property
   def base_only(self) -> bool:
@@ -262,12 +263,34 @@ class PagedGenerator:
 
   def _preempt_newest(self) -> Seq:
     victim = max(self.running, key=lambda x: x.order)
-    self.running.remove(victim)
-    self.pool.release(victim.pages)
-    victim.pages, victim.hashes, victim.n_cached = [], [], 0
-    self._progress(victim)
-    self.waiting.appendleft(victim)
+    self._preempt(victim)
     return victim
+
+  def _preempt(self, s: Seq) -> None:
+    """Frees ``s``'s pages and queues it first: it is recomputed later from its tokens."""
+    self.running.remove(s)
+    self.pool.release(s.pages)
+    s.pages, s.hashes, s.n_cached = [], [], 0
+    self._progress(s)
+    self.waiting.appendleft(s)
+
+  def recover(self) -> list[Seq]:
+    """Makes the engine usable again after `step` raised, and returns the sequences of that
+    step (with their choices not yet forked), now dropped: the caller fails them. The other
+    running sequences are preempted (recomputed from their tokens, as after running out of
+    pages), every cached prefix is forgotten, and the runner's KV pools are rebuilt, since the
+    failed call may have consumed the pools donated to it."""
+    failed = []
+    for s in self._in_step:
+      if not s.finished:
+        failed += [s, *s.followers]
+        self.finish(s)
+    self._in_step = []
+    for s in sorted(self.running, key=lambda x: x.order, reverse=True):
+      self._preempt(s)  # newest first, so the oldest ends up first in the queue
+    self.pool.clear_cache()
+    self.runner.reset_pools()
+    return failed
 
   def _plan(self) -> tuple[list[tuple[Seq, int]], list[tuple[Seq, int]], list[tuple[Seq, str]]]:
     """Chooses this iteration's work and allocates its pages: (decode, prefill, errors), the
@@ -316,6 +339,7 @@ class PagedGenerator:
     self.steps += 1
     self._admit()
     decode, prefill, errors = self._plan()
+    self._in_step = [s for s, _ in decode + prefill]  # what `recover` fails if this raises
     result = StepResult([], errors, sum(n for _, n in prefill))
     if not decode and not prefill:
       return result
@@ -352,6 +376,7 @@ class PagedGenerator:
     if copies:
       src, dst = zip(*copies)
       self.runner.copy_pages(np.asarray(src, np.int32), np.asarray(dst, np.int32))
+    self._in_step = []
     return result
 
   def _fork(self, s: Seq, copies: list) -> None:
