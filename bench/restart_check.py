@@ -136,15 +136,16 @@ def run(which: str, starts: int, tmp: pathlib.Path) -> dict:
           proc.wait()
         exit_s = time.time() - t
     text = log_path.read_text()
-    m = re.search(r"warm-up: (\d+) step programs in ([\d.]+) s \((\d+) from the step cache",
-                  text)
+    m = re.search(r"warm-up: (\d+) step programs in ([\d.]+) s \((\d+) from the step cache; "
+                  r"each run once in ([\d.]+) s, (\d+) failed", text)
     cold = cold or answers
     row = {"start": i, "ready_s": round(ready, 1), "exit_after_sigint_s": round(exit_s, 1),
            "exit_code": proc.returncode,
            "programs": int(m.group(1)) if m else None,
            "warmup_s": float(m.group(2)) if m else None,
            "from_step_cache": int(m.group(3)) if m else None,
-           "probe_failures": text.count("failed its first run"),
+           "first_runs_s": float(m.group(4)) if m else None,
+           "probe_failures": int(m.group(5)) if m else None,
            "requests": len(answers),
            "non_200": {k: v[0] for k, v in answers.items() if v[0] != 200},
            "differ_from_cold": sorted(k for k in answers
@@ -168,13 +169,14 @@ def render(res: dict) -> str:
     if which not in res:
       continue
     lines += [f"## {res[which]['label']}", "",
-              "| start | ready, s | warm-up, s | programs (from step cache) | first runs failed | "
-              "requests | non-200 | differ from cold | exit after SIGINT, s (code) |",
+              "| start | ready, s | warm-up, s | programs (from step cache) | first runs, s "
+              "(failed) | requests | non-200 | differ from cold | exit after SIGINT, s (code) |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in res[which]["starts"]:
       lines.append(
         f"| {r['start']} | {r['ready_s']} | {r['warmup_s']} | {r['programs']} "
-        f"({r['from_step_cache']}) | {r['probe_failures']} | {r['requests']} | "
+        f"({r['from_step_cache']}) | {r['first_runs_s']} ({r['probe_failures']}) | "
+        f"{r['requests']} | "
         f"{len(r['non_200'])} | {len(r['differ_from_cold'])} | {r['exit_after_sigint_s']} "
         f"({r['exit_code']}) |")
     lines.append("")

@@ -194,8 +194,10 @@ class Engine:
       gen = self.gen = self._build()
       if self.cfg.warmup:
         took = gen.warmup(progress=log.info)
-        log.info("warm-up: %d step programs in %.1f s (%d from the step cache)", gen.compiles,
-                 took, gen.runner.loaded_programs)
+        r = gen.runner
+        log.info("warm-up: %d step programs in %.1f s (%d from the step cache; each run once "
+                 "in %.2f s, %d failed that run and were recompiled)", gen.compiles, took,
+                 r.loaded_programs, r.probe_s, r.probe_failures)
         gen.runner.guard = self.cfg.forbid_compile_after_warmup
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
       if getattr(self, "gen", None) is not None:
