@@ -157,7 +157,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
     server.metrics.requests.labels(model, endpoint, "200").inc()
     return web.json_response(P.completion(
       rid, model, choices.final(), P.usage(prompt_tokens, choices.completion_tokens),
-      chat=chat, created=created))
+      chat=chat, created=created), dumps=P.dumps)  # never NaN / Infinity: strict JSON
   finally:
     if not finished:
       _cancel(reqs)  # the engine frees the rows at its next step, then releases

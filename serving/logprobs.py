@@ -17,10 +17,15 @@ an alternative's string is that token decoded alone. Two alternatives that decod
 string share one key of the completions dict (a limit of the format). vLLM's
 ``return_tokens_as_token_ids`` names every token ``"token_id:<id>"`` instead (exact, and what a
 client needs to re-score a sampled output); ``text_offset`` still counts characters.
+
+A log probability that is not a finite number (logits that overflowed: NaN, or -inf for a token
+the logits rule out entirely) is ``null``: JSON has no NaN or Infinity, and strict parsers (JS,
+Go, openai-node) refuse the bare words Python's json module would write.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 _WINDOW = 8  # tokens of context decoded with each token
@@ -38,8 +43,14 @@ def token_strings(tokenizer, ids: Sequence[int], context: Sequence[int] = ()) ->
   return out
 
 
-def _alt(tokenizer, alts, as_ids: bool) -> list[tuple[str, float]]:
-  return [(f"token_id:{t}" if as_ids else tokenizer.decode([t]), lp) for t, lp in alts]
+def finite_or_none(lp: float | None) -> float | None:
+  """``lp``, or None when it is None or not a finite number (see the module docstring)."""
+  return lp if lp is not None and math.isfinite(lp) else None
+
+
+def _alt(tokenizer, alts, as_ids: bool) -> list[tuple[str, float | None]]:
+  return [(f"token_id:{t}" if as_ids else tokenizer.decode([t]), finite_or_none(lp))
+          for t, lp in alts]
 
 
 def completion_logprobs(tokenizer, entries, *, context: Sequence[int] = (), offset: int = 0,
@@ -56,12 +67,13 @@ def completion_logprobs(tokenizer, entries, *, context: Sequence[int] = (), offs
     if alts is None:
       tops.append(None)
     else:
-      d: dict[str, float] = {}
+      d: dict[str, float | None] = {}
       for s, lp in _alt(tokenizer, alts, as_ids):
         d.setdefault(s, lp)
       tops.append(d)
   names = [f"token_id:{t}" for t in ids] if as_ids else strings
-  obj = {"tokens": names, "token_logprobs": [e[1] for e in entries], "top_logprobs": tops,
+  obj = {"tokens": names, "token_logprobs": [finite_or_none(e[1]) for e in entries],
+         "top_logprobs": tops,
          "text_offset": offsets}
   return obj, offset
 
@@ -72,7 +84,7 @@ def chat_logprobs(tokenizer, entries, *, context: Sequence[int] = (),
   strings = token_strings(tokenizer, [e[0] for e in entries], context)
   out = []
   for s, (t, lp, alts) in zip(strings, entries):
-    out.append({"token": f"token_id:{t}" if as_ids else s, "logprob": lp,
+    out.append({"token": f"token_id:{t}" if as_ids else s, "logprob": finite_or_none(lp),
                 "bytes": list(s.encode("utf-8")),
                 "top_logprobs": [{"token": a, "logprob": alp, "bytes": list(a.encode("utf-8"))}
                                  for a, alp in _alt(tokenizer, alts or [], as_ids)]})

@@ -414,8 +414,29 @@ def role_choice(index: int) -> dict:
           "finish_reason": None}
 
 
+def _finite(obj):
+  """``obj`` with every float that is not finite replaced by None (lists, tuples, dicts)."""
+  if isinstance(obj, float):
+    return obj if math.isfinite(obj) else None
+  if isinstance(obj, dict):
+    return {k: _finite(v) for k, v in obj.items()}
+  if isinstance(obj, list | tuple):
+    return [_finite(v) for v in obj]
+  return obj
+
+
+def dumps(obj, **kw) -> str:
+  """``json.dumps`` that never writes NaN or Infinity (not JSON: strict clients fail on them):
+  a non-finite float becomes null. The common case is one encoder pass; only a body that holds
+  such a float is walked and mapped."""
+  try:
+    return json.dumps(obj, allow_nan=False, **kw)
+  except ValueError:  # "Out of range float values are not JSON compliant"
+    return json.dumps(_finite(obj), allow_nan=False, **kw)
+
+
 def sse(obj: dict | str) -> bytes:
-  data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+  data = obj if isinstance(obj, str) else dumps(obj, separators=(",", ":"))
   return f"data: {data}\n\n".encode()
 
 
