@@ -56,3 +56,22 @@ def corrupt_arrays(delta_dir: str | Path) -> Path:
     data[i] ^= 0xFF
   chunks[0].write_bytes(bytes(data))
   return d
+
+
+def poison_array(delta_dir: str | Path, tensor: str, field: str, value: float) -> Path:
+  """Sets one element (the middle one) of a stored array of a delta to ``value`` (e.g. inf or
+  NaN) in place and records the array's new crc32 in the manifest, so the checksums stay valid
+  and only the values are hostile; returns the directory."""
+  import json
+
+  from bitdelta_jax.delta.store import MANIFEST, read_array, write_array
+
+  d = Path(delta_dir)
+  m = json.loads((d / MANIFEST).read_text())
+  arrays = m["tensors"][tensor]["arrays"]
+  path = d / "arrays" / tensor / field
+  a = read_array(path, arrays[field]).copy()
+  a.reshape(-1)[a.size // 2] = value
+  arrays[field] = write_array(path, a)
+  (d / MANIFEST).write_text(json.dumps(m, indent=1))
+  return d

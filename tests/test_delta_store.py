@@ -3,8 +3,6 @@ crc32 is right but whose values are not finite (issue 35), for every kind of sto
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
@@ -15,9 +13,9 @@ from bitdelta_jax.delta.store import (
   read_array,
   read_manifest,
   save_delta,
-  write_array,
 )
 from bitdelta_jax.synthetic import SyntheticConfig, make_base, make_finetune
+from serving.testing import poison_array
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 NORM = "model.layers.1.input_layernorm.weight"
@@ -51,19 +49,10 @@ def stores(tmp_path_factory):
 
 def poison(src, dst, tensor: str, field: str, value: float):
   """A copy of the store ``src`` at ``dst`` whose ``tensor/field`` holds ``value`` at one
-  element, rewritten with its new crc32 in the manifest (checksums stay valid)."""
+  element, its crc32 valid."""
   import shutil
 
-  shutil.copytree(src, dst)
-  mf = dst / "manifest.json"
-  m = json.loads(mf.read_text())
-  meta = m["tensors"][tensor]["arrays"][field]
-  path = dst / "arrays" / tensor / field
-  a = read_array(path, meta).copy()
-  a.reshape(-1)[a.size // 2] = value
-  m["tensors"][tensor]["arrays"][field] = write_array(path, a)
-  mf.write_text(json.dumps(m))
-  return dst
+  return poison_array(shutil.copytree(src, dst), tensor, field, value)
 
 
 def _float_fields(store, tensor):
