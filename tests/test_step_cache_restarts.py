@@ -8,7 +8,9 @@ directory, warms up (which runs each program once on a padding batch) and genera
 prompts that reach every token bucket; the tokens are checked against transformers.
 
 * cold → warm: the warm process loads every program from the step cache (every native FFI
-  target is registered before loading: none is recompiled) and gives the same tokens;
+  target is registered before loading: none is recompiled) and gives the same tokens; then,
+  as after an upgrade, the step files go and JAX's cache stays: the next start compiles (JAX's
+  cache bypassed) and saves, and the start after it loads programs that run;
 * the cache the old code left behind: programs that JAX's persistent cache returned,
   re-serialized into the step cache (``poison``). A fresh process loads them, their first run
   at warm-up fails, they are recompiled and their entries replaced; the next process loads them
@@ -36,6 +38,9 @@ jax.config.update("jax_compilation_cache_dir", cache + "/xla")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 from bitdelta_jax.models import from_pretrained, step_cache
+# as in a server, something compiles before the warm-up: JAX decides once per process whether
+# its persistent cache is used, at the first compile
+jax.jit(lambda x: x + 1)(1.0)
 from bitdelta_jax.models.paged import PagedGenerator
 from bitdelta_jax.models.sampling import SamplingParams
 steps = None if mode == "prime" else cache + "/steps"
@@ -97,6 +102,16 @@ def test_a_warm_start_in_a_fresh_process_loads_and_runs_every_program(llama, tmp
   assert warm["loaded"] == warm["programs"] == cold["programs"]
   assert warm["probe_failures"] == 0
   assert warm["tokens"] == cold["tokens"]
+  # as an upgrade does: the step files go (their key hashes the code), JAX's cache stays
+  for f in step_files(tmp_path):
+    f.unlink()
+  upgraded = start(path, tmp_path, "normal")
+  assert upgraded["loaded"] == 0 and upgraded["tokens"] == cold["tokens"]
+  # what it saved runs in the next process (it was compiled there, not taken from JAX's
+  # cache: before issue 35's fix every program of this start failed its first run)
+  after = start(path, tmp_path, "normal")
+  assert after["loaded"] == after["programs"] and after["probe_failures"] == 0
+  assert after["tokens"] == cold["tokens"]
 
 
 def test_bf16_programs_load_too(llama, tmp_path):

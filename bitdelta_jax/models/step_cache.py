@@ -38,6 +38,7 @@ import os
 import pathlib
 import pickle
 import platform
+import threading
 
 log = logging.getLogger("bitdelta_jax.step_cache")
 
@@ -83,15 +84,40 @@ def step_key(parts) -> str:
   return hashlib.sha256(repr(full).encode()).hexdigest()
 
 
+_fresh_lock = threading.Lock()
+_fresh_users = 0  # threads inside `fresh_compile`
+_cache_was_on = True
+
+
 @contextlib.contextmanager
 def fresh_compile():
-  """Within it (on this thread), compiles bypass JAX's persistent compilation cache: the
-  program is really compiled here, so `save` stores its object code (see the module
-  docstring). JAX's cache still serves every compile outside it."""
-  from jax._src import config as jax_config
+  """Within it, compiles bypass JAX's persistent compilation cache: the program is really
+  compiled here, so `save` stores its object code (see the module docstring).
 
-  with jax_config.enable_compilation_cache(False):
+  JAX decides once per process, at its first compile, whether its persistent cache is used
+  (`jax._src.compilation_cache.is_cache_used`), so a thread-local ``enable_compilation_cache``
+  context is ignored once anything has compiled: the switch is process-wide here, turned off
+  by the first thread to enter and back on by the last to leave (`reset_cache` makes JAX decide
+  again each time). Compiles of other threads meanwhile miss the cache too (the engine's
+  warm-up is the only compiler then)."""
+  global _fresh_users, _cache_was_on
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  with _fresh_lock:
+    if _fresh_users == 0:
+      _cache_was_on = bool(jax.config.jax_enable_compilation_cache)
+      jax.config.update("jax_enable_compilation_cache", False)
+      compilation_cache.reset_cache()
+    _fresh_users += 1
+  try:
     yield
+  finally:
+    with _fresh_lock:
+      _fresh_users -= 1
+      if _fresh_users == 0:
+        jax.config.update("jax_enable_compilation_cache", _cache_was_on)
+        compilation_cache.reset_cache()
 
 
 def _path(root, key: str) -> pathlib.Path:
