@@ -55,6 +55,14 @@ from serving.router import Router
 log = logging.getLogger("serving.app")
 SERVER_KEY = web.AppKey("server", object)
 MAX_BODY = web.AppKey("max_body", int)
+# Stopping (`Server.drain`): after the grace, requests that were ended get this long to send
+# their error (the engine ends them at its next iteration); aiohttp then waits this long for
+# any handler left before cancelling it; and the device thread this long to end its loop, or
+# 1 s when it did not even end those requests (inside a long step, e.g. a compile: the CLI
+# then exits without it).
+CUTOFF_S = 3.0
+CLEANUP_TIMEOUT_S = 1.0
+ENGINE_STOP_S = 5.0
 
 
 def _base_vocab(base_dir) -> int:
@@ -90,6 +98,10 @@ class Server:
     self.bad_variants: dict[str, str] = {}  # configured but left out: name -> why
     self.pool_members = ()  # `serving.registry.PoolMember`s of cfg.kmerge_pool
     self.started = time.time()
+    self.stopping = False  # `drain` began: new requests get a 503
+    self.in_flight = 0  # handlers running (every route)
+    self._idle: asyncio.Event | None = None  # set when in_flight drops to 0 (drain waits on it)
+    self.engine_stop_s = 30.0  # how long cleanup waits for the device thread
     # set on the event loop when the engine gives up (`Engine.fatal`): the CLI exits non-zero
     self.engine_failed = asyncio.Event()
 
@@ -213,8 +225,59 @@ class Server:
 
   async def cleanup(self, _app=None) -> None:
     if self.engine is not None:
-      await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+      await asyncio.get_running_loop().run_in_executor(None, self.engine.stop,
+                                                       self.engine_stop_s)
     self.io.shutdown(wait=False, cancel_futures=True)
+
+  async def drain(self, runner: web.AppRunner, grace_s: float, say=log.warning) -> None:
+    """Stops serving in about ``grace_s`` seconds (SIGINT / SIGTERM; `runner.cleanup` follows).
+
+    The port closes, and a request that still arrives on an open connection gets a 503
+    (``server_shutting_down``). Requests in flight may finish for ``grace_s``; then every
+    engine request still running is ended with an error (a stream gets an error event and
+    ``[DONE]``, a non-streamed request a 503), and the handlers get `CUTOFF_S` to send it.
+    ``say`` reports each stage (how many requests it waits for)."""
+    loop = asyncio.get_running_loop()
+    self.stopping = True
+    self.engine_stop_s = ENGINE_STOP_S
+    for site in list(runner.sites):
+      await site.stop()
+    if not self.in_flight:
+      say("stopping: no requests in flight")
+      return
+    t0 = loop.time()
+    say(f"stopping: no new requests; waiting up to {grace_s:g} s for {self.in_flight} "
+        "in-flight request(s) to finish (signal again to exit now)")
+    if await self._wait_idle(grace_s):
+      say(f"stopping: the requests in flight finished in {loop.time() - t0:.1f} s")
+      return
+    left = self.in_flight
+    ended = self.router.end_all("server shutting down", "server_shutting_down")
+    say(f"stopping: {left} request(s) still running after {grace_s:g} s; ending them with an "
+        f"error ({ended} engine sequence(s))")
+    if not await self._wait_idle(CUTOFF_S):
+      self.engine_stop_s = 1.0
+      say(f"stopping: {self.in_flight} request(s) did not end within {CUTOFF_S:g} s; closing "
+          "their connections")
+
+  async def _wait_idle(self, timeout: float) -> bool:
+    """True once no handler runs (at most ``timeout`` seconds)."""
+    if not self.in_flight:
+      return True
+    self._idle = asyncio.Event()
+    try:
+      await asyncio.wait_for(self._idle.wait(), timeout)
+    except TimeoutError:
+      return False
+    return True
+
+  def _enter(self) -> None:
+    self.in_flight += 1
+
+  def _leave(self) -> None:
+    self.in_flight -= 1
+    if not self.in_flight and self._idle is not None:
+      self._idle.set()
 
   def _base_check(self, manifest: dict, where: str) -> None:
     check_base(manifest, self.base_fp, where=where)
@@ -423,6 +486,20 @@ async def _errors(request: web.Request, handler):
     _count(request, status)
 
 
+@web.middleware
+async def _track(request: web.Request, handler):
+  """Counts the handlers in flight (`Server.drain` waits for them); once the server is
+  stopping, a new request is a 503."""
+  server = request.app[SERVER_KEY]
+  if server.stopping:
+    raise P.ApiError(503, "the server is shutting down", code="server_shutting_down")
+  server._enter()
+  try:
+    return await handler(request)
+  finally:
+    server._leave()
+
+
 def _auth(api_key: str | None):
   @web.middleware
   async def auth(request: web.Request, handler):
@@ -442,7 +519,7 @@ def _auth(api_key: str | None):
 def build_app(cfg: ServerConfig) -> tuple[web.Application, Server]:
   server = Server(cfg)
   app = web.Application(client_max_size=cfg.max_body_bytes,
-                        middlewares=[_errors, _auth(cfg.api_key)])
+                        middlewares=[_errors, _track, _auth(cfg.api_key)])
   app[MAX_BODY] = cfg.max_body_bytes
   app[SERVER_KEY] = server
   app.on_startup.append(server.startup)
@@ -517,12 +594,16 @@ def check_base_dir(cfg: ServerConfig) -> None:
                       "lower --max-seq-len")
 
 
-async def start_site(cfg: ServerConfig) -> tuple[web.AppRunner, Server, int]:
+async def start_site(cfg: ServerConfig, *, shutdown_timeout: float = 60.0,
+                     ) -> tuple[web.AppRunner, Server, int]:
+  """Checks, builds and starts the server; ``shutdown_timeout``: how long ``runner.cleanup``
+  waits for handlers in flight before cancelling them (the CLI drains them first)."""
   check_port(cfg.host, cfg.port)
   check_base_dir(cfg)
   app, server = build_app(cfg)
   # request bodies are decoded by serving.protocol.decode_body (JSON errors, bounded size)
-  runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False)
+  runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
+                         shutdown_timeout=shutdown_timeout)
   try:
     await runner.setup()  # runs startup: model load + compile on the device thread
   except BaseException:

@@ -33,6 +33,7 @@ _FIELDS = {
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
   "stall_timeout": "stall_timeout_s", "delete_grace": "delete_grace_s",
+  "shutdown_grace": "shutdown_grace_s",
 }
 
 
@@ -92,6 +93,10 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--delete-grace", type=float, metavar="S",
                  help="DELETE /v1/variants/NAME waits S seconds for in-flight requests, then "
                       "ends them with an error (10)")
+  p.add_argument("--shutdown-grace", type=float, metavar="S",
+                 help="on SIGINT / SIGTERM, stop accepting requests and let those in flight "
+                      "finish for S seconds, then end them with an error and exit (10); a second "
+                      "signal exits at once")
   p.add_argument("--no-verify-base", action="store_true",
                  help="check deltas against the base's names/shapes/dtypes only, not the crc32 of "
                       "every base tensor (which reads the whole base once more at start)")
@@ -289,7 +294,8 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str]
 
 
 def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False) -> None:
-  """Runs the server in the foreground until SIGINT / SIGTERM.
+  """Runs the server in the foreground until SIGINT / SIGTERM (then `Server.drain`: the
+  requests in flight get ``shutdown_grace_s`` seconds; a second signal exits at once, 130).
 
   With ``num_processes > 1`` this first joins the `jax.distributed` runtime; process 0 serves
   HTTP, the others follow its step plans (`serving.multihost`) until it stops, and every
@@ -330,7 +336,7 @@ def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False)
 
 
 def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) -> None:
-  from serving.app import start_site
+  from serving.app import CLEANUP_TIMEOUT_S, start_site
 
   async def main():
     def say(line: str) -> None:
@@ -341,7 +347,8 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
     if config.warmup:  # the engine logs a line per compiled shape (INFO; --quiet hides them)
       say("checking variants, loading the model, then compiling (this can take minutes)...")
     t0 = time.perf_counter()
-    runner, server, port = await start_site(config)
+    # the drain below bounds the wait for handlers; aiohttp's own wait is for stragglers
+    runner, server, port = await start_site(config, shutdown_timeout=CLEANUP_TIMEOUT_S)
     say(f"ready in {time.perf_counter() - t0:.0f} s")
     host = config.host if config.host not in ("0.0.0.0", "::") else "127.0.0.1"
     print(banner(config, f"http://{host}:{port}", demo=demo,
@@ -350,20 +357,39 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+      if not stop.is_set():
+        stop.set()
+        return
+      # the operator does not want to wait for the drain (which is bounded, but may be long)
+      print(f"{sig.name} again: exiting now, without waiting for requests in flight",
+            file=sys.stderr, flush=True)
+      sys.stdout.flush()
+      os._exit(128 + sig)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
       try:
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
       except (NotImplementedError, RuntimeError):
         pass
     try:
       await stop.wait()
+      # said even with --quiet: an operator waiting for the exit should know what it waits for
+      await server.drain(runner, config.shutdown_grace_s,
+                         say=lambda line: print(line, file=sys.stderr, flush=True))
     finally:
       await runner.cleanup()
+    return server
 
   try:
-    asyncio.run(main())
+    server = asyncio.run(main())
   except KeyboardInterrupt:  # Ctrl-C before the server was up (its handlers stop it after)
     # the device thread may be inside an XLA compile: exiting normally would abort in C++
     print("interrupted", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
+  if server.engine is not None and server.engine.alive:  # still inside a step: same reason
+    print("stopped (the engine was still inside a step)", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)

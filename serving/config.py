@@ -88,6 +88,9 @@ class ServerConfig:
   # and variant slot released); /health says "degraded" from half of it
   stall_timeout_s: float = 60.0
   delete_grace_s: float = 10.0  # DELETE /v1/variants/NAME: in-flight requests then get an error
+  # SIGINT / SIGTERM: in-flight requests may finish for this long, then get an error (a second
+  # signal exits at once)
+  shutdown_grace_s: float = 10.0
   # engine steps that may fail in a row (each fails its requests, then the engine recovers)
   # before the server exits non-zero for its supervisor to restart it
   max_step_failures: int = 3
@@ -137,6 +140,8 @@ class ServerConfig:
     need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
     need(self.stall_timeout_s > 0, "stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
     need(self.delete_grace_s >= 0, "delete_grace_s", f"must be >= 0, got {self.delete_grace_s}")
+    need(self.shutdown_grace_s >= 0, "shutdown_grace_s",
+         f"must be >= 0, got {self.shutdown_grace_s}")
     need(self.max_step_failures >= 1, "max_step_failures",
          f"must be >= 1, got {self.max_step_failures}")
 

@@ -39,8 +39,10 @@ from serving.tools import tool_plan
 
 DISCONNECT_POLL_S = 0.25
 # an engine error event's code -> the HTTP status of a non-streamed answer (others: 500)
-# (engine_failed: the engine gave up after failed steps and the server is exiting)
-ERROR_STATUS = {"worker_lost": 503, "variant_deleted": 410, "engine_failed": 503}
+# (engine_failed: the engine gave up after failed steps and the server is exiting;
+# server_shutting_down: still running when the shutdown grace ran out, `Server.drain`)
+ERROR_STATUS = {"worker_lost": 503, "variant_deleted": 410, "engine_failed": 503,
+                "server_shutting_down": 503}
 
 
 async def generate(server, request: web.Request, *, chat: bool) -> web.StreamResponse:

@@ -33,6 +33,9 @@ class Lease:
     """The engine requests generated under this lease: a DELETE of the variant can end them
     (`serving.registry.end_requests`); if one already did, they end at once."""
     self.reqs = list(reqs)
+    if self.router.ended_by is not None:  # the server is stopping (`Router.end_all`)
+      for r in self.reqs:
+        _end(r, *self.router.ended_by)
     v = self.variant
     if v is None:
       return
@@ -45,6 +48,7 @@ class Lease:
     if self._released:
       return
     self._released = True
+    self.router.leases.discard(self)
     if self.variant is not None:
       self.variant.live.difference_update(self.reqs)
       self.router.cache.release(self.variant)
@@ -60,6 +64,18 @@ class Router:
     self.registry, self.cache, self.metrics = registry, cache, metrics
     self.base_requests = 0
     self.base_in_flight = 0
+    self.leases: set[Lease] = set()  # held: `end_all` reaches their engine requests
+    self.ended_by: tuple[str, str] | None = None  # (reason, code) once `end_all` ran
+
+  def end_all(self, reason: str, code: str) -> int:
+    """Ends every engine request of the held leases with an error (``reason``, ``code``):
+    the engine frees their rows at its next iteration and each gets its last event; requests
+    attached later end at once. Returns how many were in flight."""
+    self.ended_by = (reason, code)
+    live = [r for lease in self.leases for r in lease.reqs if not r.ended]
+    for r in live:
+      _end(r, reason, code)
+    return len(live)
 
   @property
   def base_id(self) -> str:
@@ -73,7 +89,7 @@ class Router:
       self.base_requests += 1
       self.base_in_flight += 1
       self.metrics.in_flight.labels(model).inc()
-      return Lease(self, None, 0, model)
+      return self._held(Lease(self, None, 0, model))
     v = self.registry.get(model)
     if v is None:
       raise UnknownModel(model)
@@ -85,4 +101,14 @@ class Router:
       self.registry.end(v)
       self.metrics.in_flight.labels(model).dec()
       raise
-    return Lease(self, v, slot, model)
+    return self._held(Lease(self, v, slot, model))
+
+  def _held(self, lease: Lease) -> Lease:
+    self.leases.add(lease)
+    return lease
+
+
+def _end(r, reason: str, code: str) -> None:
+  """Cancels engine request ``r`` so that it ends with an error (``reason``, ``code``)."""
+  r.cancel_reason, r.cancel_code = reason, code
+  r.cancelled = True

@@ -37,6 +37,7 @@ def test_defaults_and_derived():
   (dict(variants=(("p", "/d"), ("q", "/e")), pins=("p", "q"), device_slots=1), "pins"),
   (dict(dtype="int8"), "dtype"),
   (dict(base_name="x", variants=(("x", "/d"),)), "variants"),
+  (dict(shutdown_grace_s=-1), "shutdown_grace_s: must be >= 0, got -1"),
 ])
 def test_invalid_values_name_the_field(kw, field):
   with pytest.raises(ConfigError, match=field):
@@ -73,6 +74,11 @@ def test_cli_flags(tmp_path):
   assert c.variants == (("x", "/d/x"), ("y", "/d/y")) and c.pins == ("x",)
   assert (c.port, c.api_key, c.device_slots, c.host_cache_mb, c.top_n_pin, c.max_batch,
           c.max_seq_len) == (0, "k", 3, 64.0, 1, 4, 256)
+  assert c.shutdown_grace_s == 10.0
+  assert config_from_args(parse(["serve", "--base", "/m/b", "--shutdown-grace", "2.5"])
+                          ).shutdown_grace_s == 2.5
+  with pytest.raises(ConfigError, match="shutdown_grace_s: must be >= 0"):
+    config_from_args(parse(["serve", "--base", "/m/b", "--shutdown-grace", "-1"]))
   with pytest.raises(ConfigError, match="NAME=DELTA_DIR"):
     config_from_args(parse(["serve", "--base", "/m/b", "--variant", "nopath"]))
   with pytest.raises(ConfigError, match="base"):
