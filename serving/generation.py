@@ -78,12 +78,23 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   else:
     tools = None
   cfg = server.cfg
+  where = "messages" if chat else "prompt"
   for p in prompts:
     if len(p) > cfg.max_prompt_tokens:
       raise P.ApiError(
         400, f"the prompt is {len(p)} tokens; this model's context is {cfg.max_seq_len} "
         f"tokens, so prompts may have at most {cfg.max_prompt_tokens}",
-        param="messages" if chat else "prompt", code="context_length_exceeded")
+        param=where, code="context_length_exceeded")
+    # an explicit max_tokens is not cut to the context behind the client's back (OpenAI's and
+    # vLLM's answer); without one, the default is cut to the room left (`_params`)
+    if opts.max_tokens is not None and len(p) + opts.max_tokens > cfg.max_seq_len:
+      key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
+        "max_tokens")
+      raise P.ApiError(
+        400, f"This model's maximum context length is {cfg.max_seq_len} tokens. However, you "
+        f"requested {len(p) + opts.max_tokens} tokens ({len(p)} in the {where}, "
+        f"{opts.max_tokens} in the completion). Please reduce the length of the {where} or "
+        f"{key}.", param=key, code="context_length_exceeded")
   grammar = await _grammar(server, tok, ctl, "tools" if tools is not None else "response_format")
   plist = [_params(opts, ctl, tok, grammar, cfg, len(p), server.engine.vocab_size)
            for p in prompts]
@@ -189,7 +200,7 @@ async def _grammar(server, tok, ctl: Controls, param: str):
 def _params(opts: P.Options, ctl: Controls, tok, grammar, cfg, prompt_len: int, vocab: int):
   from bitdelta_jax.models.sampling import SamplingParams
 
-  room = cfg.max_seq_len - prompt_len
+  room = cfg.max_seq_len - prompt_len  # an explicit max_tokens fits (checked in `generate`)
   max_tokens = min(cfg.default_max_tokens if opts.max_tokens is None else opts.max_tokens, room)
   stops = (() if opts.ignore_eos else tuple(tok.stop_token_ids)) + ctl.stop_token_ids
   scored = ctl.echo and ctl.logprobs is not None

@@ -254,13 +254,19 @@ def test_numeric_parameters_have_checked_ranges(server, field, value):
 
 
 def test_large_in_range_values_work(server):
-  for extra in ({"top_k": 2**31 - 1}, {"top_k": 264}, {"seed": 2**63 - 1}, {"seed": -5},
-                {"max_tokens": 2**31 - 1}):
+  for extra in ({"top_k": 2**31 - 1}, {"top_k": 264}, {"seed": 2**63 - 1}, {"seed": -5}):
     r = post(server, "/v1/completions", {"model": "v0", "prompt": "hi", "temperature": 0.5,
                                          "ignore_eos": True, **extra})
     assert r.status_code == 200, (extra, r.text)
-  use = r.json()["usage"]
-  assert use["total_tokens"] == 256  # max_tokens capped by the context
+  prompt = r.json()["usage"]["prompt_tokens"]
+  # in range, but past the context: a 400 naming the context and both numbers (not cut to fit)
+  body = {"model": "v0", "prompt": "hi", "temperature": 0.5, "ignore_eos": True}
+  err = is_error(post(server, "/v1/completions", {**body, "max_tokens": 2**31 - 1}), 400,
+                 "max_tokens", "context_length_exceeded")
+  assert (f"maximum context length is 256 tokens. However, you requested {prompt + 2**31 - 1} "
+          f"tokens ({prompt} in the prompt, {2**31 - 1} in the completion)") in err["message"]
+  r = post(server, "/v1/completions", {**body, "max_tokens": 256 - prompt})  # all the room
+  assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == 256, r.text
 
 
 def raw_post(h, path, text: str):

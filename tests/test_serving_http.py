@@ -199,10 +199,26 @@ def test_seed_and_temperature(server):
   assert len({sample(s) for s in range(4)}) > 1
 
 
-def test_max_tokens_capped_by_context(server):
-  j = complete(server, "base", "x" * 50, max_tokens=10_000)
-  assert j["usage"]["completion_tokens"] <= 64 - 50
-  assert j["usage"]["total_tokens"] <= 64
+def test_max_tokens_past_the_context_is_a_400_naming_both_numbers(server):
+  """As OpenAI and vLLM answer, instead of cutting max_tokens to the context silently."""
+  r = post(server, "/v1/completions", {"model": "base", "prompt": "x" * 50, "max_tokens": 10_000})
+  is_error(r, 400, "context_length_exceeded", "max_tokens")
+  assert r.json()["error"]["message"].startswith(
+    "This model's maximum context length is 64 tokens. However, you requested 10050 tokens (50 "
+    "in the prompt, 10000 in the completion)."), r.text
+  r = post(server, "/v1/completions", {"model": "v0", "prompt": "x" * 50,
+                                       "max_completion_tokens": 15})
+  is_error(r, 400, "context_length_exceeded", "max_completion_tokens")
+  assert "you requested 65 tokens (50 in the prompt, 15 in the completion)" in r.text, r.text
+  r = post(server, "/v1/chat/completions", {"model": "base", "max_tokens": 64,
+                                            "messages": [{"role": "user", "content": "hi"}]})
+  is_error(r, 400, "context_length_exceeded", "max_tokens")
+  assert "in the messages, 64 in the completion" in r.text, r.text
+  # exactly the room left is allowed; without max_tokens the default is cut to the room
+  j = complete(server, "base", "x" * 50, max_tokens=14, ignore_eos=True)
+  assert j["usage"]["completion_tokens"] == 14 and j["usage"]["total_tokens"] == 64, j["usage"]
+  j = complete(server, "base", "x" * 60, ignore_eos=True)  # default_max_tokens 16 > 4 left
+  assert j["usage"]["completion_tokens"] == 4 and j["usage"]["total_tokens"] == 64, j["usage"]
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -374,8 +374,9 @@ def test_forced_tool_calls_parse_and_match_the_parameters(client):
   import jsonschema
 
   msgs = [{"role": "user", "content": "weather in Paris?"}]
+  room = 160 - 20  # what the 20-token prompt leaves of the context: room for the whole call
   named = client.chat.completions.create(
-    model="base", messages=msgs, tools=[WEATHER, TIME], max_tokens=200, temperature=0.8, seed=1,
+    model="base", messages=msgs, tools=[WEATHER, TIME], max_tokens=room, temperature=0.8, seed=1,
     n=2, tool_choice={"type": "function", "function": {"name": "get_weather"}})
   for c in named.choices:
     assert c.finish_reason == "tool_calls" and c.message.content is None
@@ -383,7 +384,7 @@ def test_forced_tool_calls_parse_and_match_the_parameters(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
   required = client.chat.completions.create(model="base", messages=msgs, tools=[WEATHER, TIME],
-                                            tool_choice="required", max_tokens=300, seed=4,
+                                            tool_choice="required", max_tokens=room, seed=4,
                                             temperature=0.8, parallel_tool_calls=False)
   calls = required.choices[0].message.tool_calls
   assert required.choices[0].finish_reason == "tool_calls" and len(calls) == 1, (
@@ -393,14 +394,14 @@ def test_forced_tool_calls_parse_and_match_the_parameters(client):
     jsonschema.validate(json.loads(call.function.arguments), by_name[call.function.name])
   # streamed: the call arrives whole in the last delta
   deltas = [ch for chunk in client.chat.completions.create(
-    model="base", messages=msgs, tools=[WEATHER], stream=True, max_tokens=200, temperature=0,
+    model="base", messages=msgs, tools=[WEATHER], stream=True, max_tokens=room, temperature=0,
     tool_choice={"type": "function", "function": {"name": "get_weather"}})
     for ch in chunk.choices]
   last = deltas[-1]
   assert last.finish_reason == "tool_calls"
   assert json.loads(last.delta.tool_calls[0].function.arguments) == json.loads(
     client.chat.completions.create(
-      model="base", messages=msgs, tools=[WEATHER], max_tokens=200, temperature=0,
+      model="base", messages=msgs, tools=[WEATHER], max_tokens=room, temperature=0,
       tool_choice={"type": "function", "function": {"name": "get_weather"}})
     .choices[0].message.tool_calls[0].function.arguments)
   plain = client.chat.completions.create(model="base", messages=msgs, tools=[WEATHER],
