@@ -2,7 +2,10 @@
 
 Bodies mix the fields the server reads (mostly plausible values, sometimes anything JSON can
 hold: huge integers, NaN, lone surrogates, nested junk) with unknown fields; a bounded number
-of examples keeps the module well under a minute once the server is up.
+of examples keeps the module well under a minute once the server is up. Each body's answer is
+checked on its own: how many of a draw succeed depends on Hypothesis' version (its generator
+changes between releases whatever the seed), so that valid bodies succeed is a separate test
+over fixed bodies, and each hostile class's expected answers come from explicit examples.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 
 import pytest
 import requests
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serving.app import ServerThread
@@ -91,9 +94,42 @@ def server(tmp_path_factory):
     yield h
 
 
+# plausible bodies of every shape the fuzzer draws, each of which must succeed
+VALID = [
+  (False, {"model": "base", "prompt": "hi"}),
+  (False, {"model": "v0", "prompt": [3, 4, 5], "max_tokens": 3, "temperature": 0}),
+  (False, {"model": "v1", "prompt": ["hi", "there"], "max_completion_tokens": 2, "n": 2,
+           "seed": 7, "top_p": 0.9, "top_k": 5, "temperature": 1.5}),
+  (False, {"model": "v0", "prompt": "hi", "stream": True, "stop": ["x", "y"], "max_tokens": 4,
+           "stream_options": {"include_usage": True}, "x-extra": [1, {"a": None}]}),
+  (False, {"model": "base", "prompt": "hi", "logprobs": 2, "echo": True, "max_tokens": 2,
+           "presence_penalty": 0.5, "ignore_eos": True, "best_of": 1, "user": "u"}),
+  (False, {"model": "base", "prompt": "hi", "min_tokens": 2, "max_tokens": 3,
+           "stop_token_ids": [5], "frequency_penalty": -1.0, "repetition_penalty": 1.2,
+           "logit_bias": {"7": 3}, "return_tokens_as_token_ids": True}),
+  (True, {"model": "v1", "messages": [{"role": "user", "content": "hi"}]}),
+  (True, {"model": "base", "messages": [
+    {"role": "system", "content": "be brief"}, {"role": "developer", "content": ""},
+    {"role": "user", "content": [{"type": "text", "text": "hi"}]}], "logprobs": True,
+    "top_logprobs": 3, "max_tokens": 2}),
+  (True, {"model": "v0", "messages": [{"role": "user", "content": "é" * 8}], "stream": True,
+          "n": 2, "max_tokens": 3, "temperature": 0.7, "seed": 1}),
+]
+
+
+@pytest.mark.parametrize("chat,body", VALID)
+def test_plausible_bodies_succeed(server, chat, body):
+  path = "/v1/chat/completions" if chat else "/v1/completions"
+  r = requests.post(server.url + path, json=body, timeout=60)
+  assert r.status_code == 200, (body, r.text[:300])
+  if body.get("stream"):
+    assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text, r.text[-300:]
+  else:
+    assert r.json()["choices"], r.text[:300]
+
+
 def test_random_bodies_never_get_a_5xx(server):
   session = requests.Session()
-  seen: dict[int, int] = {}
 
   @settings(max_examples=200, deadline=None, database=None, derandomize=True,
             suppress_health_check=list(HealthCheck))
@@ -104,7 +140,6 @@ def test_random_bodies_never_get_a_5xx(server):
     r = session.post(server.url + path, data=text.encode("utf-8", "surrogatepass"),
                      headers={"Content-Type": "application/json"}, timeout=60)
     body = r.content
-    seen[r.status_code] = seen.get(r.status_code, 0) + 1
     assert r.status_code < 500, (text[:300], r.status_code, body[:300])
     if r.status_code >= 400:
       err = r.json()["error"]
@@ -113,7 +148,6 @@ def test_random_bodies_never_get_a_5xx(server):
       assert r.json()["choices"]
 
   one()
-  assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen  # both paths were exercised
   h = session.get(server.url + "/health", timeout=10).json()
   assert h["status"] == "ok" and h["active_rows"] == 0 and h["queue_depth"] == 0, h
   r = session.post(server.url + "/v1/completions", json={"model": "v1", "prompt": "hello",
@@ -175,6 +209,8 @@ def costly_bodies(draw):
 
 
 def test_hostile_classes_never_get_a_5xx_or_a_hang(server):
+  import gzip
+
   session = requests.Session()
   url = server.url + "/v1/completions"
   seen: dict[str, set] = {"huge": set(), "encoded": set(), "costly": set()}
@@ -193,9 +229,15 @@ def test_hostile_classes_never_get_a_5xx_or_a_hang(server):
     check("huge", r)
     assert r.status_code == 400 and "digits" in r.json()["error"]["message"], r.text
 
+  good = json.dumps({"model": "v0", "prompt": "hi", "max_tokens": 2}).encode()
+
   @settings(max_examples=30, deadline=None, database=None, derandomize=True,
             suppress_health_check=list(HealthCheck))
   @given(encoded_bodies())
+  @example(("gzip", gzip.compress(good)))  # 200
+  @example(("gzip", b"junk"))  # 400
+  @example(("gzip", gzip.compress(b" " * (8 << 20) + good)))  # 413
+  @example(("br", b"junk"))  # 415
   def encoded(case):
     enc, data = case
     r = session.post(url, data=data, timeout=60, headers={"Content-Type": "application/json",
@@ -205,6 +247,9 @@ def test_hostile_classes_never_get_a_5xx_or_a_hang(server):
   @settings(max_examples=30, deadline=None, database=None, derandomize=True,
             suppress_health_check=list(HealthCheck))
   @given(costly_bodies())
+  @example({"model": "v0", "n": 2, "max_tokens": 2, "prompt": [3], "stream": False})  # 200
+  @example({"model": "base", "n": 16, "max_tokens": 2, "prompt": [[3]] * 80,  # 400: n x prompts
+            "stream": False})
   def costly(body):
     r = session.post(url, json=body, timeout=120)  # a hang fails here
     check("costly", r)
@@ -217,7 +262,7 @@ def test_hostile_classes_never_get_a_5xx_or_a_hang(server):
   huge()
   encoded()
   costly()
-  assert {200, 400, 413, 415} <= seen["encoded"], seen
+  assert {200, 400, 413, 415} <= seen["encoded"], seen  # the explicit examples' answers
   assert {200, 400} <= seen["costly"], seen
   h = session.get(server.url + "/health", timeout=10).json()
   assert h["status"] == "ok" and h["active_rows"] == 0 and h["queue_depth"] == 0, h

@@ -360,6 +360,8 @@ def test_non_streaming_client_disconnect_stops_decoding(server):
   m = "bitdelta_generated_tokens_total"
   before = metric(get(server, "/metrics").text, m, model="v1") or 0.0
 
+  hold = threading.Event()
+
   async def main():
     async with aiohttp.ClientSession() as s:
       req = asyncio.ensure_future(s.post(server.url + "/v1/completions", json={
@@ -368,11 +370,19 @@ def test_non_streaming_client_disconnect_stops_decoding(server):
       while engine.active_rows == 0:
         assert time.time() - t0 < 30 and not req.done()
         await asyncio.sleep(0.005)
-      engine.call(lambda gen: time.sleep(1.0))  # decoding pauses; the client hangs up
-      req.cancel()
+      engine.call(lambda gen: hold.wait(60))  # decoding pauses until the handler has noticed
+      req.cancel()  # the client hangs up
     await asyncio.sleep(0)
 
-  asyncio.run(main())
+  try:
+    asyncio.run(main())
+    live = srv.registry.get("v1").live
+    t0 = time.time()
+    while not (live and all(r.cancelled for r in live)):
+      assert time.time() - t0 < 30, "the handler did not notice the disconnect"
+      time.sleep(0.02)
+  finally:
+    hold.set()
   t0 = time.time()
   while srv.registry.get("v1").in_flight:
     assert time.time() - t0 < 30, "the request was not cancelled"

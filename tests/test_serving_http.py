@@ -438,13 +438,18 @@ def test_delete_waits_for_in_flight_requests(server, family):
   ts.start()
   while "first" not in times:
     time.sleep(0.005)
-  engine.call(lambda gen: time.sleep(1.0))  # hold the device thread: the request stays in flight
+  # hold the device thread until the checks below are done: the request stays in flight
+  hold = threading.Event()
+  engine.call(lambda gen: hold.wait(30))
   td = threading.Thread(target=delete)
   td.start()
-  time.sleep(0.3)
-  assert "delete_done" not in times  # still waiting for the stream
-  assert "doomed" not in {m["id"] for m in get(server, "/v1/models").json()["data"]}
-  is_error(post(server, "/v1/completions", {"model": "doomed", "prompt": "x"}), 404)
+  try:
+    time.sleep(0.3)  # a DELETE that did not wait would be done by now (on a quiet machine)
+    assert "delete_done" not in times  # still waiting for the stream (it cannot end: held)
+    assert "doomed" not in {m["id"] for m in get(server, "/v1/models").json()["data"]}
+    is_error(post(server, "/v1/completions", {"model": "doomed", "prompt": "x"}), 404)
+  finally:
+    hold.set()
   ts.join(30)
   td.join(30)
   assert result["delete"].status_code == 200 and result["delete"].json()["deleted"]
@@ -475,23 +480,25 @@ def test_health_is_prompt_while_engine_busy(server):
   engine = server.server.engine
   bodies = [{"model": m, "prompt": "hi", "max_tokens": 30} for m in ["base", "v1"] * 6]
 
+  hold = threading.Event()
+
   async def main():
     fire = asyncio.ensure_future(_fire(server.url, bodies))
     await asyncio.sleep(0.05)
-    engine.call(lambda gen: time.sleep(1.5))  # the device thread is busy for 1.5 s
-    await asyncio.sleep(0.1)
-    lat = []
-    async with aiohttp.ClientSession() as s:
-      for _ in range(5):
-        t0 = time.perf_counter()
+    held = engine.call(lambda gen: hold.wait(60))  # the device thread is busy until released
+    while not held.running():
+      await asyncio.sleep(0.01)
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+      for _ in range(5):  # answered while the device thread is still held, however slowly
         async with s.get(server.url + "/health") as r:
-          assert r.status == 200
-        lat.append(time.perf_counter() - t0)
-    res = await fire
-    return lat, res
+          assert r.status == 200 and not hold.is_set()
+    hold.set()
+    return await fire
 
-  lat, res = asyncio.run(main())
-  assert max(lat) < 0.5, lat
+  try:
+    res = asyncio.run(main())
+  finally:
+    hold.set()
   assert all(s == 200 for s, _ in res)
 
 

@@ -162,7 +162,17 @@ def test_delete_returns_within_its_grace_and_ends_the_variants_requests(server):
                          "ignore_eos": True, "stream": True}, stream=True)
   lines = stream.iter_lines()
   next(lines)  # generating
-  slow = srv.engine.call(lambda gen: time.sleep(1.5))  # it cannot finish within the grace
+  doomed = srv.registry.get("doomed")
+  hold = threading.Event()  # released once the grace ran out: it cannot finish within it
+
+  def release():
+    try:
+      wait_for(lambda: doomed.ended_by is not None, "the DELETE ended its requests")
+    finally:
+      hold.set()
+
+  slow = srv.engine.call(lambda gen: hold.wait(60))
+  threading.Thread(target=release, daemon=True).start()
   t = threading.Thread(target=lambda: got.setdefault("r", post(server, {
     "model": "doomed", "prompt": "x", "n": 2, "max_tokens": 80, "ignore_eos": True})))
   t.start()
@@ -183,14 +193,20 @@ def test_delete_returns_within_its_grace_and_ends_the_variants_requests(server):
 
 def test_a_disconnect_releases_a_queued_group(server):
   srv = server.server
-  hold = srv.engine.call(lambda gen: time.sleep(1.0))  # the group waits in the inbox
+  # the device thread is held until the client has gone: the request waits (for its variant's
+  # load, then in the inbox) and cannot finish first
+  release = threading.Event()
+  hold = srv.engine.call(lambda gen: release.wait(60))
   body = json.dumps({"model": "v0", "prompt": HEADER[:17], "n": 4, "max_tokens": 60,
                      "ignore_eos": True}).encode()
   sock = socket.create_connection((server.cfg.host, server.port))
-  sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-               + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-  wait_for(lambda: srv.registry.get("v0").in_flight == 1, "the request is in flight")
-  sock.close()
+  try:
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\n" + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    wait_for(lambda: srv.registry.get("v0").in_flight == 1, "the request is in flight")
+    sock.close()
+  finally:
+    release.set()
   hold.result(10)
   wait_for(lambda: srv.registry.get("v0").in_flight == 0, "the disconnect released it", 10)
   wait_for(lambda: srv.engine.active_rows == 0 and not srv.engine.gen.has_work, "no rows left")
