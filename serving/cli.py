@@ -33,6 +33,7 @@ _FIELDS = {
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
   "stall_timeout": "stall_timeout_s", "delete_grace": "delete_grace_s",
+  "max_step_failures": "max_step_failures",
   "shutdown_grace": "shutdown_grace_s",
 }
 
@@ -93,6 +94,9 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--delete-grace", type=float, metavar="S",
                  help="DELETE /v1/variants/NAME waits S seconds for in-flight requests, then "
                       "ends them with an error (10)")
+  p.add_argument("--max-step-failures", type=int, metavar="N",
+                 help="engine steps that may fail in a row (each ends its requests, then the "
+                      "engine recovers) before the server exits with status 3 (3)")
   p.add_argument("--shutdown-grace", type=float, metavar="S",
                  help="on SIGINT / SIGTERM, stop accepting requests and let those in flight "
                       "finish for S seconds, then end them with an error and exit (10); a second "
@@ -373,8 +377,15 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
         loop.add_signal_handler(sig, on_signal, sig)
       except (NotImplementedError, RuntimeError):
         pass
+    # the engine gave up after failed steps (Engine.fatal): stop too, and exit non-zero
+    failed = asyncio.ensure_future(server.engine_failed.wait())
+    stop_wait = asyncio.ensure_future(stop.wait())
     try:
-      await stop.wait()
+      await asyncio.wait([failed, stop_wait], return_when=asyncio.FIRST_COMPLETED)
+      stop_wait.cancel()
+      if server.engine_failed.is_set():
+        print(f"error: {server.engine.fatal}", file=sys.stderr, flush=True)
+        return server
       # said even with --quiet: an operator waiting for the exit should know what it waits for
       await server.drain(runner, config.shutdown_grace_s,
                          say=lambda line: print(line, file=sys.stderr, flush=True))
@@ -389,6 +400,9 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
     print("interrupted", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
+  if server.engine is not None and server.engine.fatal is not None:
+    sys.stdout.flush()
+    os._exit(3)  # for a supervisor: restart this server
   if server.engine is not None and server.engine.alive:  # still inside a step: same reason
     print("stopped (the engine was still inside a step)", file=sys.stderr, flush=True)
     sys.stdout.flush()

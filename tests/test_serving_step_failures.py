@@ -150,3 +150,57 @@ def test_repeated_failures_stop_the_engine(tmp_path_factory):
     assert body["step_failures"]["fatal"].startswith("2 engine steps failed")
     r = post(h, "v0")  # nothing is accepted any more
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable", r.text
+
+
+CLI_WORKER = r"""
+import sys
+from bitdelta_jax.models.paged_runner import PagedRunner
+
+def run(self, batch, base_only):  # every step after the warm-up fails
+  raise RuntimeError("injected step failure")
+
+PagedRunner.run = run
+from bitdelta_jax.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_the_cli_exits_non_zero_when_the_engine_gives_up(tmp_path_factory):
+  import os
+  import socket
+  import subprocess
+  import sys
+  import time
+
+  base, _ = synthetic_family(tmp_path_factory.mktemp("cli-fail"), n=1)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.Popen([sys.executable, "-c", CLI_WORKER, "serve", "--base", str(base),
+                        "--base-name", "base", "--port", str(port), "--max-batch", "2",
+                        "--max-seq-len", "64", "--prefill-chunk", "8",
+                        "--max-step-failures", "2"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  url = f"http://127.0.0.1:{port}"
+  try:
+    t0 = time.time()
+    while True:
+      assert p.poll() is None and time.time() - t0 < 300, "the server did not start"
+      try:
+        if requests.get(url + "/health", timeout=2).status_code == 200:
+          break
+      except requests.RequestException:
+        time.sleep(0.25)
+    codes = []
+    for _ in range(2):
+      codes.append(requests.post(url + "/v1/completions", timeout=60, json={
+        "model": "base", "prompt": "abc", "max_tokens": 2}).status_code)
+    assert codes == [500, 503]
+    assert p.wait(60) == 3
+    err = p.stderr.read()
+    assert "2 engine steps failed in a row" in err, err[-2000:]
+  finally:
+    if p.poll() is None:
+      p.kill()
