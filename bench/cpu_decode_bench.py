@@ -17,7 +17,7 @@ chat template's shared system-prompt page is, for base and variants alike).
 
 Before the rounds: the memory bandwidth (a C++ copy / triad / read test on all cores, compiled
 here with ``g++ -O3 -march=native -fopenmp``), each CPU kernel's GB/s over the 30 layers' weights
-at 1 and 8 rows, the host time of an engine step (in process: `serving.engine.build_generator`
+at 1 and 8 rows, the host time of an engine step (in process: `bitdelta_jax.engine.build.build_generator`
 with the runner's calls timed) and the sampler alone, and the checks (llama.cpp tokenizes every
 prompt to our ids; greedy tokens of llama.cpp f32, transformers and the server agree).
 A one-stream request expected (from the warm-up) to take over ``MAX_REQUEST_S`` makes fewer
@@ -247,21 +247,21 @@ def kernel_gbps(rounds: int, rows=(1, 8, 16), layers: int = 30) -> list[dict]:
 
 # -- host time of an engine step ------------------------------------------------------------------
 def host_timing(base, prompts_ids: list[list[int]], tokens: int, rows=(1, 8)) -> dict:
-  """The engine's `PagedGenerator` in this process (`build_generator`, the server's defaults,
+  """The engine's `Generator` in this process (`build_generator`, the server's defaults,
   base rows): per decode step, its wall time, the time inside ``runner.run`` (inputs to the
   device, program dispatch), inside ``runner.fetch`` (waiting for the device and copying the
   tokens back) and the rest (the host scheduler: admission, planning, batch building,
-  bookkeeping). Also the sampler alone (`models.sampling.sample`, greedy, jitted) on
+  bookkeeping). Also the sampler alone (`engine.sampling.sample`, greedy, jitted) on
   [rows, vocab] logits: inside the step it runs in the same program, so it is not separable
   there without a profile."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
-  from bitdelta_jax.models.sampling import sample
-  from bitdelta_jax.models.sampling_params import SamplingParams
+  from bitdelta_jax.engine.sampling import sample
+  from bitdelta_jax.engine.sampling_params import SamplingParams
   from serving.config import ServerConfig
-  from serving.engine import build_generator
+  from bitdelta_jax.engine.build import build_generator
 
   # the server's step shapes; a smaller KV pool (attention reads only the live pages)
   gen = build_generator(ServerConfig(base=str(base), max_batch=32, max_seq_len=2048,
@@ -279,7 +279,7 @@ def host_timing(base, prompts_ids: list[list[int]], tokens: int, rows=(1, 8)) ->
 
   runner.run, runner.fetch = timed("run", runner.run), timed("fetch", runner.fetch)
   params = SamplingParams(temperature=0.0, max_new_tokens=tokens)
-  out = {"what": ("in-process PagedGenerator.step (the server's step shapes, a 256 MB KV pool, base "
+  out = {"what": ("in-process Generator.step (the server's step shapes, a 256 MB KV pool, base "
                 "rows), decode steps only")}
   for m in rows:
     for _ in ("warm", "measured"):  # the second pass's steps are kept
@@ -625,9 +625,9 @@ def markdown(res: dict) -> str:
   if h:
     lines += ["", "## Host time per decode step", "", f"{h['what']}; milliseconds, medians. "
               "*run*: `runner.run` (inputs to the device, dispatch); *fetch*: waiting for the "
-              "device and copying the tokens back; *host*: the rest of `PagedGenerator.step` "
+              "device and copying the tokens back; *host*: the rest of `Generator.step` "
               "(scheduler, batch building, bookkeeping). The sampler runs inside the step's "
-              "program; *sampler alone* is `models.sampling.sample` jitted by itself on "
+              "program; *sampler alone* is `engine.sampling.sample` jitted by itself on "
               "[rows, vocab] logits. The server adds HTTP and the engine thread on top: compare "
               "its one-stream decode-only time per token above.", "",
               "| rows | steps | step | run | fetch | host | sampler alone |",

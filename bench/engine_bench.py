@@ -162,13 +162,13 @@ MESH_WORKER = r"""
 import json, os, sys, time
 import numpy as np, jax
 from bitdelta_jax.models.loading import from_pretrained
-from bitdelta_jax.models.paged import PagedGenerator
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.sharding.mesh import make_mesh
 base, shape = sys.argv[1], sys.argv[2]
 mesh = None if shape == "1" else make_mesh("data=1,model=8")
 model = from_pretrained(base, num_slots=1)
-gen = PagedGenerator(model, max_rows=8, max_seq_len=256, prefill_chunk=64, mesh=mesh)
+gen = Generator(model, max_rows=8, max_seq_len=256, prefill_chunk=64, mesh=mesh)
 out = {}
 for rows in (1, 8):
   seqs = [gen.add([1] + list(range(100 + i, 140 + i)), 0, SamplingParams(max_new_tokens=60))

@@ -2,8 +2,8 @@
 
     python bench/liveness_bench.py [--rounds 7]
 
-1. **Sweep cost per engine iteration** (`serving.engine.Engine._sweep`: cancelled, stalled and
-   orphaned choices) against one engine step (`PagedGenerator.step`, decode) with 1, 8 and 32
+1. **Sweep cost per engine iteration** (`bitdelta_jax.engine.engine.Engine._sweep`: cancelled, stalled and
+   orphaned choices) against one engine step (`Generator.step`, decode) with 1, 8 and 32
    live sequences, in interleaved rounds, on the built-in `nano` base (the smallest model the
    product ships, so the step is short and the ratio an upper bound).
 2. **n > 1 whose leader has one prompt token left** through the real server (1-token prompts;
@@ -39,14 +39,15 @@ def sweep_vs_step(rounds: int) -> list[dict]:
   import jax.numpy as jnp
 
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
   from serving.config import ServerConfig
-  from serving.engine import Engine, GenRequest
+  from bitdelta_jax.engine.engine import Engine
+  from bitdelta_jax.engine.request import Request
   from serving.metrics import Metrics
 
   base, _ = _family()
-  gen = PagedGenerator(from_pretrained(base, jnp.float32, num_slots=2), max_rows=32,
+  gen = Generator(from_pretrained(base, jnp.float32, num_slots=2), max_rows=32,
                        max_seq_len=256, page_size=16)
   engine = Engine(ServerConfig(base=str(base)), Metrics(), None)
   out = []
@@ -54,8 +55,8 @@ def sweep_vs_step(rounds: int) -> list[dict]:
     p = SamplingParams(max_new_tokens=10_000)  # no stop ids: never ends by itself
     reqs = []
     for i in range(live):
-      r = GenRequest(prompt=[1, 2, 3 + i], slot=0, params=p, model="bench", emit=lambda ev: None)
-      r.seq = gen.add_n(r.prompt, 0, p, [r])[0]
+      r = Request(prompt=[1, 2, 3 + i], slot=0, params=p, model="bench", emit=lambda ev: None)
+      gen.add_group([r])
       reqs.append(r)
     engine._live = set(reqs)
     for _ in range(3):  # prefill + compile the decode bucket
@@ -71,7 +72,7 @@ def sweep_vs_step(rounds: int) -> list[dict]:
         gen.step()
       step_s.append((time.perf_counter() - t) / 5)
     for r in reqs:
-      gen.finish(r.seq)
+      gen.finish(r)
     sw, st = statistics.median(sweep_s), statistics.median(step_s)
     out.append({"live": live, "sweep_us": round(sw * 1e6, 1), "step_ms": round(st * 1e3, 2),
                 "sweep_over_step": round(sw / st, 5)})

@@ -89,8 +89,8 @@ def loglikelihood(base: pathlib.Path, n: int) -> dict:
 
 
 def _cases(tok, tokens: int) -> dict:
-  from bitdelta_jax.models.grammar import compile_grammar
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.grammar import compile_grammar
+  from bitdelta_jax.engine.sampling import SamplingParams
 
   plain = dict(max_new_tokens=tokens, temperature=0.0)
   return {
@@ -110,9 +110,10 @@ def sampler_alone(base: pathlib.Path, rows: int, calls: int = 40, rounds: int = 
   import jax.numpy as jnp
   import numpy as np
 
-  from bitdelta_jax.models.controls import LogitControls, logprobs_of
-  from bitdelta_jax.models.paged_batch import Seq, fill_masks
-  from bitdelta_jax.models.sampling import sample
+  from bitdelta_jax.engine.controls import LogitControls, logprobs_of
+  from bitdelta_jax.engine.batch import fill_masks
+  from bitdelta_jax.engine.request import Request
+  from bitdelta_jax.engine.sampling import sample
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   tok = Tokenizer.from_dir(base)
@@ -140,7 +141,8 @@ def sampler_alone(base: pathlib.Path, rows: int, calls: int = 40, rounds: int = 
 
   setups = {}
   for name, p in _cases(tok, 32).items():
-    seqs = [Seq(tok.encode(TEXTS[i % len(TEXTS)]), 0, p, np.zeros(2, np.uint32), (0,), i)
+    seqs = [Request(tok.encode(TEXTS[i % len(TEXTS)]), 0, p, key=np.zeros(2, np.uint32),
+                    variant_key=(0,), order=i)
             for i in range(rows)]
     for s in seqs:
       s.tokens = s.prompt + [int(x) for x in rng.integers(0, v, 40)]
@@ -174,11 +176,11 @@ def engine_steps(base: pathlib.Path, rows: int, tokens: int, rounds: int = 3) ->
   import jax.numpy as jnp
 
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
+  from bitdelta_jax.engine.generator import Generator
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   tok = Tokenizer.from_dir(base)
-  gen = PagedGenerator(from_pretrained(base, jnp.float32), max_rows=rows, max_seq_len=256,
+  gen = Generator(from_pretrained(base, jnp.float32), max_rows=rows, max_seq_len=256,
                        tokenizer=tok, prefix_caching=False)
   prompts = [tok.encode(TEXTS[i % len(TEXTS)]) for i in range(rows)]
   cases = _cases(tok, tokens)

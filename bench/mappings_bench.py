@@ -43,13 +43,13 @@ def main() -> None:
   args = ap.parse_args()
   from bitdelta_jax.delta.store import load_delta
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
   from bitdelta_jax.zoo import shipped_family
 
   base, variants = shipped_family()
   model = from_pretrained(base, num_slots=2)
-  gen = PagedGenerator(model, max_rows=32, max_seq_len=args.max_seq_len)
+  gen = Generator(model, max_rows=32, max_seq_len=args.max_seq_len)
   gen.load_variant(1, load_delta(next(iter(variants.values())))[0])
   rows = [("loaded", mappings(), gen.compiles)]
   gen.warmup()

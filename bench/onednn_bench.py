@@ -5,7 +5,7 @@
 Each run is its own process (XLA flags are read once, when jax initialises), alternating
 ``XLA_FLAGS=--xla_cpu_use_onednn=true`` and the default, ``--pairs`` times each (interleaved).
 A run loads the real SmolLM2-135M base (`bitdelta zoo real-base`, dequantized Q4_1, f32) and
-the shipped real variant smol-math into `PagedGenerator`, compiles the shapes it times, then
+the shipped real variant smol-math into `Generator`, compiles the shapes it times, then
 times decode steps (the median of ``--steps``) of 1 and 8 concurrent sequences on the base and
 on the variant, and the prefill step of a 128-token prompt. Logits are compared too: the
 greedy tokens of both settings must agree.
@@ -33,13 +33,13 @@ def worker(steps: int) -> dict:
   import jax.numpy as jnp
 
   import bitdelta_jax as bdj
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
   from bitdelta_jax.zoo.real_base import import_real_base
 
   model = bdj.from_pretrained(import_real_base(), jnp.float32, num_slots=2, variants=[VARIANT])
   bdj.load_variant(model, 1, bdj.load_delta(VARIANT)[0])
-  gen = PagedGenerator(model, max_rows=8, max_seq_len=512, prefix_caching=False)
+  gen = Generator(model, max_rows=8, max_seq_len=512, prefix_caching=False)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=10_000)
   prompt = [(7 * i + 3) % 40000 + 100 for i in range(16)]
   out: dict = {}
@@ -102,7 +102,7 @@ def main() -> None:
   (OUT / "onednn.json").write_text(json.dumps(doc, indent=2))
   m = doc["machine"]
   lines = ["# XLA CPU oneDNN dots for the serving engine (real SmolLM2-135M, f32)", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. `PagedGenerator` with "
+           f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. `Generator` with "
            "the real base (dequantized Q4_1) and the shipped variant smol-math (1-bit linear "
            f"layers and embeddings); each setting in its own process, {args.pairs} interleaved "
            f"pairs, median of {args.steps} steps per run, then the median over runs. Greedy tokens "

@@ -1,11 +1,11 @@
 """What a multi-process server pays per step to send its plan: bytes and microseconds.
 
-Builds the engine's real ragged batches (`PagedGenerator._batch` on the
+Builds the engine's real ragged batches (`Generator._batch` on the
 SmolLM2-135M config, no weights needed: only the scheduler runs) for decode steps of 1, 8 and
 32 rows and prefill chunks of 64 and 512 tokens, with and without logit controls (a grammar
 mask and a penalty history), and measures for each: the plan's size (`step_plan.encode`), the
 time to encode it, to decode it, and to send it to one follower over loopback TCP
-(`serving.plan_channel`, the receiver on a thread) until that follower has decoded it.
+(`bitdelta_jax.engine.multihost.channel`, the receiver on a thread) until that follower has decoded it.
 Medians of interleaved rounds. Results: ``bench/results/plan.{json,md}``.
 
     python bench/plan_bench.py [--rounds 200]
@@ -28,11 +28,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bitdelta_jax.models import step_plan  # noqa: E402
+from bitdelta_jax.engine.multihost import codec as step_plan  # noqa: E402
 from bitdelta_jax.models.config import ModelConfig  # noqa: E402
-from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
-from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
-from serving.plan_channel import PlanReceiver, PlanSender  # noqa: E402
+from bitdelta_jax.engine.generator import Generator  # noqa: E402
+from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.engine.multihost.channel import PlanReceiver, PlanSender  # noqa: E402
 
 VOCAB, MAX_SEQ, PAGE = 49152, 2048, 16
 
@@ -41,12 +41,12 @@ class _NoDevice:
   """A runner that is never called: the bench only builds batches."""
 
 
-def _scheduler(max_rows: int) -> PagedGenerator:
+def _scheduler(max_rows: int) -> Generator:
   """The real scheduler on a SmolLM2-sized config, without a model or device state."""
   model = types.SimpleNamespace(config=ModelConfig(
     model_type="llama", vocab_size=VOCAB, hidden_size=576, intermediate_size=1536, num_layers=30,
     num_heads=9, num_kv_heads=3, head_dim=64, num_slots=4))
-  return PagedGenerator(model, max_rows=max_rows, max_seq_len=MAX_SEQ, page_size=PAGE,
+  return Generator(model, max_rows=max_rows, max_seq_len=MAX_SEQ, page_size=PAGE,
                         runner=_NoDevice())
 
 

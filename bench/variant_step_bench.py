@@ -5,7 +5,7 @@ this checkout against an earlier commit (each run its own process, interleaved).
 
 A run loads the real SmolLM2-135M base (`bitdelta zoo real-base`, dequantized Q4_1, f32) with
 the shipped real variants smol-math (1-bit linear layers and 1-bit embeddings) and smol-upper
-(1-bit linear layers, embeddings unchanged) into `PagedGenerator`, and times decode steps (the
+(1-bit linear layers, embeddings unchanged) into `Generator`, and times decode steps (the
 median of ``--steps`` after 4 untimed) of 1 and 8 concurrent sequences on each. Greedy tokens
 must agree between the two checkouts. Writes bench/results/variant_step.{json,md}.
 """
@@ -32,15 +32,15 @@ def worker(steps: int) -> dict:
   import jax.numpy as jnp
 
   import bitdelta_jax as bdj
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
   from bitdelta_jax.zoo.real_base import import_real_base
 
   dirs = [DELTAS / v for v in VARIANTS]
   model = bdj.from_pretrained(import_real_base(), jnp.float32, num_slots=3, variants=dirs)
   for i, d in enumerate(dirs):
     bdj.load_variant(model, i + 1, bdj.load_delta(d)[0])
-  gen = PagedGenerator(model, max_rows=8, max_seq_len=512, prefix_caching=False)
+  gen = Generator(model, max_rows=8, max_seq_len=512, prefix_caching=False)
   greedy = SamplingParams(temperature=0.0, max_new_tokens=10_000)
   prompt = [(7 * i + 3) % 40000 + 100 for i in range(16)]
   times, tokens = {}, {}
@@ -92,7 +92,7 @@ def main() -> None:
   OUT.mkdir(exist_ok=True)
   (OUT / "variant_step.json").write_text(json.dumps(doc, indent=2))
   m = doc["machine"]
-  lines = ["# Decode step of a variant against the base (real SmolLM2-135M, f32, PagedGenerator)",
+  lines = ["# Decode step of a variant against the base (real SmolLM2-135M, f32, Generator)",
            "", f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. Each checkout in its "
            f"own process, {args.pairs} interleaved pairs, median of {args.steps} steps per run, "
            f"then over runs. Greedy tokens equal across runs: {same}. Script: "

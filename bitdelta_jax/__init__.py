@@ -43,9 +43,9 @@ _EXPORTS = {
   # models, variant slots and generation
   "from_pretrained": "bitdelta_jax.models",
   "from_tensors": "bitdelta_jax.models",
-  "Generator": "bitdelta_jax.models",
-  "Generation": "bitdelta_jax.models",
-  "SamplingParams": "bitdelta_jax.models",
+  "Generator": "bitdelta_jax.engine",
+  "Generation": "bitdelta_jax.engine",
+  "SamplingParams": "bitdelta_jax.engine",
   "Tokenizer": "bitdelta_jax.models",
   "load_variant": "bitdelta_jax.models",
   "clear_slot": "bitdelta_jax.models",

@@ -33,23 +33,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from bitdelta_jax.delta.compress import DeltaMismatchError
+from bitdelta_jax.delta.entries import DeltaMismatchError
 from bitdelta_jax.delta.store import DeltaStoreError, check_base, load_delta
+from bitdelta_jax.engine.bank_options import banks_for
+from bitdelta_jax.engine.build import kv_pages
+from bitdelta_jax.engine.engine import Engine
 from serving import protocol as P
 from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
-from serving.engine import Engine
 from serving.generation import generate, unknown
 from serving.metrics import CONTENT_TYPE_LATEST, Metrics
-from serving.registry import (
-  Registry,
-  RegistryError,
-  added_tokens,
-  changes_embeddings,
-  is_adapter,
-  packs_embeddings,
-  read_pool,
-)
+from serving.registry import Registry, RegistryError, is_adapter, read_pool
 from serving.router import Router
 
 log = logging.getLogger("serving.app")
@@ -115,33 +109,21 @@ class Server:
     if cfg.kmerge_pool is not None:
       self.pool_members = await loop.run_in_executor(self.io, self._read_pool)
     manifests = await loop.run_in_executor(self.io, _read_manifests, self.configured)
-    emb = cfg.embedding_slots
-    if emb is None:
-      emb = any(isinstance(m, dict) and changes_embeddings(m) for m in manifests.values())
-    # 1-bit embedding deltas: packed per-slot banks (1/32 of the dense ones; replicated on a
-    # mesh, where the dense banks are split by vocabulary)
-    packed = any(isinstance(m, dict) and packs_embeddings(m) for m in manifests.values())
-    lora_rank = cfg.lora_rank
-    if lora_rank is None:
-      lora_rank = max([m["lora_rank"] for m in manifests.values()
-                       if isinstance(m, dict) and "lora_rank" in m], default=0)
     self.base_fp = await loop.run_in_executor(
       self.io, lambda: fingerprint_checkpoint(cfg.base, content=cfg.verify_base))
     shapes = {n: tuple(t["shape"]) for n, t in self.base_fp["tensors"].items()}
     vocab = _base_vocab(cfg.base)
-    extra = cfg.extra_vocab
-    if extra is None:  # room for what the configured variants add, rounded up
-      most = max([added_tokens(m, vocab) for m in manifests.values() if isinstance(m, dict)],
-                 default=0)
-      extra = -(-most // 64) * 64
-    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, embedding_slots=emb,
-                             lora_rank=lora_rank, base_tensors=set(self.base_fp["tensors"]),
-                             vocab_size=vocab, extra_vocab=extra, packed_embedding_slots=packed,
+    # the banks every configured variant needs, unless the configuration says (1-bit embedding
+    # deltas: packed per-slot banks, 1/32 of the dense ones)
+    banks = banks_for([m for m in manifests.values() if isinstance(m, dict)], vocab,
+                      embedding_slots=cfg.embedding_slots, lora_rank=cfg.lora_rank,
+                      extra_vocab=cfg.extra_vocab)
+    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, banks=banks,
+                             base_tensors=set(self.base_fp["tensors"]), vocab_size=vocab,
                              base_dir=cfg.base, base_shapes=shapes)
     await self._add_config_variants()
     self._add_pool_tasks()
-    self.engine = Engine(cfg, self.metrics, self.tokenizer, embedding_slots=emb,
-                         lora_rank=lora_rank, extra_vocab=extra, packed_embedding_slots=packed)
+    self.engine = Engine(cfg, self.metrics, self.tokenizer, banks=banks)
     self.engine.on_fatal = lambda why: loop.call_soon_threadsafe(self.engine_failed.set)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,
@@ -283,9 +265,9 @@ class Server:
     check_base(manifest, self.base_fp, where=where)
 
   def _read_delta(self, v) -> dict:  # IO thread
-    if self.cfg.multi_process:  # every process reads its own slices (serving/multihost.py)
+    if self.cfg.multi_process:  # every process reads its own slices (bitdelta_jax/engine/multihost/leader.py)
       from bitdelta_jax.delta.store import read_manifest
-      from serving.multihost import VariantRef
+      from bitdelta_jax.engine.multihost.leader import VariantRef
 
       if not is_adapter(v.path):
         self._base_check(read_manifest(v.path), str(v.path))
@@ -440,7 +422,7 @@ def _read_manifests(variants) -> dict:
       if is_adapter(path):
         cfg = json.loads((Path(path) / "adapter_config.json").read_text())
         ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
-        out[name] = {"lora_rank": int(max(ranks)), "tensors": {}}
+        out[name] = {"lora_rank": int(max(int(r) for r in ranks)), "tensors": {}}
         continue
       out[name] = read_manifest(path)
     except (DeltaStoreError, OSError, ValueError) as e:
@@ -582,16 +564,10 @@ def check_base_dir(cfg: ServerConfig) -> None:
     raise ConfigError(f"max_seq_len: {cfg.max_seq_len} is longer than the base's context "
                       f"(max_position_embeddings {mc.max_position_embeddings} in "
                       f"{base / 'config.json'}); lower --max-seq-len")
-  itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
-  token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
-  pages = int(cfg.kv_cache_mb * (1 << 20)) // (token_bytes * cfg.page_size)
-  need = -(-cfg.max_seq_len // cfg.page_size)
-  if pages < need:
-    need_mb = need * cfg.page_size * token_bytes / (1 << 20)
-    raise ConfigError(f"kv_cache_mb: {cfg.kv_cache_mb:g} MiB holds {pages * cfg.page_size} "
-                      f"tokens of this model's KV cache, less than one sequence of max_seq_len "
-                      f"{cfg.max_seq_len}; raise --kv-cache-mb to at least {need_mb:.1f} or "
-                      "lower --max-seq-len")
+  try:
+    kv_pages(cfg, mc)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 async def start_site(cfg: ServerConfig, *, shutdown_timeout: float = 60.0,

@@ -4,7 +4,7 @@
     piece = cs.update(index, event)       # streaming: the choice object of one chunk (or None)
     body_choices = cs.final()             # non-streaming: every choice object, index order
 
-Choice ``index = prompt_index * n + j`` (OpenAI's order). Each engine `serving.engine.Event`
+Choice ``index = prompt_index * n + j`` (OpenAI's order). Each engine `bitdelta_jax.engine.engine.Event`
 carries the text it adds, the log-probability entries of the tokens behind it
 (`serving.logprobs`), and on a choice's first event the prompt's entries (``echo``). With
 ``echo`` a completions choice's text starts with the prompt's text, and its logprobs with the

@@ -112,7 +112,7 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                       "another base, corrupt) instead of exiting; /health then says 'degraded'")
   p.add_argument("--quiet", action="store_true",
                  help="print only the banner, warnings and errors (no loading / compile progress)")
-  from bitdelta_jax import distributed
+  from bitdelta_jax.engine.multihost import runtime as distributed
 
   # --mesh, --coordinator, --num-processes, --process-id, --step-timeout (docs/SCALING.md);
   # left unset they do not override the config file
@@ -302,7 +302,7 @@ def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False)
   requests in flight get ``shutdown_grace_s`` seconds; a second signal exits at once, 130).
 
   With ``num_processes > 1`` this first joins the `jax.distributed` runtime; process 0 serves
-  HTTP, the others follow its step plans (`serving.multihost`) until it stops, and every
+  HTTP, the others follow its step plans (`bitdelta_jax.engine.multihost.leader`) until it stops, and every
   process ends with ``os._exit`` (the runtime's shutdown barrier would wait for a dead peer).
   """
   logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
@@ -310,14 +310,14 @@ def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False)
   if config.multi_process:
     import jax
 
-    from bitdelta_jax import distributed
+    from bitdelta_jax.engine.multihost import runtime as distributed
 
     # a dead worker must not take process 0 down with it: without this, the coordination
     # service terminates every survivor once the dead task misses its heartbeats
     jax.config.update("jax_enable_recoverability", True)
     distributed.initialize(config.distributed)
     if config.process_id != 0:
-      from serving.multihost import run_follower
+      from bitdelta_jax.engine.multihost.leader import run_follower
 
       code = run_follower(config)
       sys.stdout.flush()

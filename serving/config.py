@@ -161,8 +161,8 @@ class ServerConfig:
 
   @property
   def distributed(self):
-    """The `bitdelta_jax.distributed.DistributedConfig` of these fields."""
-    from bitdelta_jax.distributed import DistributedConfig
+    """The `bitdelta_jax.engine.multihost.runtime.DistributedConfig` of these fields."""
+    from bitdelta_jax.engine.multihost.runtime import DistributedConfig
 
     return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.mesh,
                              step_timeout_s=self.step_timeout_s)

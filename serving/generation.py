@@ -6,19 +6,16 @@
    the chat template; completions: a string, token ids, or a list of either), the options
    (`serving.protocol.options_of`) and the scoring / control fields
    (`serving.openai_params.controls_of`). ``response_format`` is compiled here, on an IO
-   thread (`bitdelta_jax.models.grammar.compile_grammar`), so a bad schema is a 400 before
+   thread (`bitdelta_jax.engine.grammar.compile_grammar`), so a bad schema is a 400 before
    anything is queued.
 2. One `SamplingParams` per prompt; each prompt becomes one engine group of ``n`` choices
-   (`serving.engine.Engine.submit_group`: one prefill, n streams). The variant's slot is leased
+   (`bitdelta_jax.engine.engine.Engine.submit_group`: one prefill, n streams). The variant's slot is leased
    once for the request and released when the last choice has let go of it.
    A forced ``tool_choice`` is a grammar too (`serving.tools`): the output becomes
    ``tool_calls``.
 3. Events come back tagged with their choice index and are collected by
    `serving.choices.Choices`: a JSON body, or SSE chunks (per choice: its text and log
    probabilities as they come, then its finish_reason; usage once all are done; ``[DONE]``).
-
-The fixed-row engine (a mesh, several processes) serves one prompt, ``n = 1`` and no scoring or
-controls: a request for more is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ from aiohttp import web
 from serving import protocol as P
 from serving.cache import LoadError
 from serving.choices import Choices
-from serving.engine import Event, GenRequest
+from bitdelta_jax.engine.request import Event, Request
 from serving.openai_params import Controls, check_budget, controls_of
 from serving.router import UnknownModel
 from serving.tools import tool_plan
@@ -130,9 +127,9 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
         lease.release()  # the engine has let go of every row, hence of the slot
     events.put_nowait((index, ev))
 
-  groups = [[GenRequest(prompt=list(p), slot=lease.slot, params=params, model=model,
-                        emit=lambda ev, k=i * n + j: loop.call_soon_threadsafe(deliver, k, ev),
-                        arrival=arrival, tokenizer=tok) for j in range(n)]
+  groups = [[Request(prompt=list(p), slot=lease.slot, params=params, model=model,
+                     emit=lambda ev, k=i * n + j: loop.call_soon_threadsafe(deliver, k, ev),
+                     arrival=arrival, tokenizer=tok) for j in range(n)]
             for i, (p, params) in enumerate(zip(prompts, plist))]
   reqs = [r for g in groups for r in g]
   lease.attach(reqs)
@@ -186,7 +183,7 @@ async def _grammar(server, tok, ctl: Controls, param: str):
   field it came from) when bad."""
   if ctl.response_format is None:
     return None
-  from bitdelta_jax.models.grammar import GrammarError, compile_grammar
+  from bitdelta_jax.engine.grammar import GrammarError, compile_grammar
 
   loop = asyncio.get_running_loop()
   try:
@@ -198,7 +195,7 @@ async def _grammar(server, tok, ctl: Controls, param: str):
 
 
 def _params(opts: P.Options, ctl: Controls, tok, grammar, cfg, prompt_len: int, vocab: int):
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.sampling import SamplingParams
 
   room = cfg.max_seq_len - prompt_len  # an explicit max_tokens fits (checked in `generate`)
   max_tokens = min(cfg.default_max_tokens if opts.max_tokens is None else opts.max_tokens, room)

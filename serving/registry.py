@@ -24,8 +24,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest size
 import numpy as np
 
 from bitdelta_jax.delta.store import DeltaStoreError, load_entry, read_manifest
-from bitdelta_jax.models.bank_options import (  # noqa: F401  (re-exported)
-  EMBEDDING_TENSORS,
+from bitdelta_jax.engine.bank_options import (
+  Banks,
   added_tokens,
   changes_embeddings,
   packs_embeddings,
@@ -83,7 +83,7 @@ class Variant:
   requests: int = 0
   in_flight: int = 0
   deleting: bool = False
-  # engine requests (`serving.engine.GenRequest`) of the in-flight HTTP requests, so that a
+  # engine requests (`bitdelta_jax.engine.request.Request`) of the in-flight HTTP requests, so that a
   # DELETE can end them; ``ended_by``: the error they get once it does
   live: set = dataclasses.field(default_factory=set)
   ended_by: str | None = None
@@ -165,19 +165,16 @@ def read_pool(path) -> tuple[PoolMember, ...]:
 
 class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
-               embedding_slots: bool = False, lora_rank: int = 0,
+               banks: Banks = Banks(),
                base_tensors: set[str] | None = None, vocab_size: int | None = None,
-               extra_vocab: int = 0, packed_embedding_slots: bool = False,
                base_dir: str | None = None,
                base_shapes: dict[str, tuple[int, ...]] | None = None):
     self.base_dir = base_dir  # a variant's kept tokenizer files fall back to the base's
     self.base_shapes = base_shapes  # HF name -> shape: a LoRA module must fit its weight
-    self.packed_embedding_slots = packed_embedding_slots
+    self.banks = banks  # what the model's per-slot banks can hold
     self.base_id = base_id
-    self.vocab_size, self.extra_vocab = vocab_size, extra_vocab
+    self.vocab_size = vocab_size
     self.admin_roots = tuple(Path(r).resolve() for r in admin_roots)
-    self.embedding_slots = embedding_slots
-    self.lora_rank = lora_rank
     self.base_tensors = base_tensors
     self._variants: dict[str, Variant] = {}
     self._aliases: dict[str, Alias] = {}
@@ -280,27 +277,27 @@ class Registry:
     try:
       if base_check is not None:
         base_check(m, str(path))
-      if changes_embeddings(m) and not self.embedding_slots:
+      if changes_embeddings(m) and not self.banks.dense_embedding_slots:
         raise RegistryError(
           f"{path}: this variant changes the embeddings / LM head, but the server was started "
           f"without per-slot embedding banks (start it with this variant configured, or with "
           f"--embedding-slots)", param="path")
-      if packs_embeddings(m) and not (self.packed_embedding_slots or self.embedding_slots):
+      if packs_embeddings(m) and not (self.banks.packed_embedding_slots or self.banks.dense_embedding_slots):
         raise RegistryError(
           f"{path}: this variant has 1-bit embedding / LM-head deltas, but the server was "
           f"started without per-slot embedding banks (start it with this variant configured)",
           param="path")
       rank = int(m.get("lora_rank") or 0)  # 1-bit + low-rank / low-rank modes use LoRA banks
-      if rank > self.lora_rank:
+      if rank > self.banks.lora_rank:
         raise RegistryError(
           f"{path}: this delta's low-rank part has rank {rank}, but the server's LoRA slots "
-          f"have rank {self.lora_rank} (start it with this variant configured, or with "
+          f"have rank {self.banks.lora_rank} (start it with this variant configured, or with "
           f"--lora-rank {rank})", param="path")
       added = added_tokens(m, self.vocab_size) if self.vocab_size else 0
-      if added > self.extra_vocab:
+      if added > self.banks.extra_vocab:
         raise RegistryError(
           f"{path}: this variant adds {added} tokens to the vocabulary, but the server has room "
-          f"for {self.extra_vocab} added tokens per slot (start it with this variant configured, "
+          f"for {self.banks.extra_vocab} added tokens per slot (start it with this variant configured, "
           f"or with --extra-vocab {added})", param="path")
       from bitdelta_jax.delta.stream import tokenizer_dir
 
@@ -349,9 +346,9 @@ class Registry:
           raise RegistryError(
             f"{path}: adapter module {m} changes a [{out_f}, {in_f}] weight, but the base's "
             f"{m}.weight is {list(want)} (an adapter for another base?)", param="path")
-    if adapter.rank > self.lora_rank:
+    if adapter.rank > self.banks.lora_rank:
       raise RegistryError(
-        f"{path}: LoRA rank {adapter.rank} exceeds the server's LoRA slot rank {self.lora_rank} "
+        f"{path}: LoRA rank {adapter.rank} exceeds the server's LoRA slot rank {self.banks.lora_rank} "
         "(start the server with --lora-rank, or with this adapter configured)", param="path")
     return adapter.nbytes
 

@@ -73,8 +73,8 @@ def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots
 
   from bitdelta_jax.models.config import ModelConfig
   from bitdelta_jax.models.llama import LlamaForCausalLM
-  from bitdelta_jax.models.paged_batch import StepShapes
-  from bitdelta_jax.models.paged_runner import PagedRunner
+  from bitdelta_jax.engine.batch import StepShapes
+  from bitdelta_jax.engine.runner import PagedRunner
 
   cfg = ModelConfig.from_hf_dict(CONFIGS[config], num_slots=num_slots)
   if delta_implementation is not None:

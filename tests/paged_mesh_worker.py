@@ -4,7 +4,7 @@
 
 Runs one mixed batch (base, two 1-bit variants, one of them with changed embeddings and norms,
 a LoRA; n=2, log probabilities, prompt log probabilities, penalties and bias, a token mask, a
-prompt longer than a prefill chunk, prefix-cache hits) through `PagedGenerator` on one device
+prompt longer than a prefill chunk, prefix-cache hits) through `Generator` on one device
 and on 1x8 and 2x4 ``(data, model)`` meshes, and writes every choice's tokens and log
 probabilities plus where the KV pages live. The flag must be set before jax starts, which is
 why this is a separate process.
@@ -27,13 +27,14 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bitdelta_jax import sharding  # noqa: E402
-from bitdelta_jax.delta.compress import Dense  # noqa: E402
+from bitdelta_jax.delta.entries import Dense  # noqa: E402
 from bitdelta_jax.delta.format import PackedDelta, packed_rows  # noqa: E402
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
-from bitdelta_jax.models.paged import PagedGenerator  # noqa: E402
-from bitdelta_jax.models.paged_batch import finish_reason  # noqa: E402
-from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
-from bitdelta_jax.models.slots import LoraEntry, _targets, load_variant  # noqa: E402
+from bitdelta_jax.engine.generator import Generator  # noqa: E402
+from bitdelta_jax.engine.stops import check_stop  # noqa: E402
+from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.delta.entries import LoraEntry  # noqa: E402
+from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
 
 # 4 kv heads: split over model=4 (2x4), replicated on model=8 (1x8); hidden 512 keeps o_proj
 # row-parallel on model=4 and column-parallel on model=8 (whole bit-plane groups, rules.py)
@@ -139,12 +140,13 @@ def run(mesh, scan: bool = False) -> dict:
   vs = variants(model)
   for slot in (1, 2, 4, 5):
     load_variant(model, slot, vs[slot])
-  gen = PagedGenerator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8,
+  gen = Generator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8,
                        prefill_chunk=32, scan_layers=scan)
   gen.load_variant(3, vs[3])  # after sharding: written shard by shard on a mesh
   if scan:
     gen.warmup()
-    gen.runner.guard = True
+    for r in gen.runners:
+      r.guard = True
   out: dict = {}
   for name, prompt, slot, params, n in requests():
     gen.add_n(prompt, slot, params, [(name, c) for c in range(n)])
@@ -153,33 +155,57 @@ def run(mesh, scan: bool = False) -> dict:
     if res.errors:
       raise RuntimeError(res.errors)
     for s, _ in res.tokens:
-      if finish_reason(s, gen.max_seq_len) is not None:
+      if check_stop(s, gen.max_seq_len) is not None:
         out[f"{s.tag[0]}/{s.tag[1]}"] = {
           "tokens": list(s.generated),
           "logprobs": [[lp, ids, vals] for lp, ids, vals in s.token_logprobs],
           "prompt_logprobs": {str(k): list(v) for k, v in sorted(s.prompt_logprobs.items())},
         }
         gen.finish(s)
-  k = gen.runner.k_pool
+  k = gen.runners[0].k_pool
   gathers = all_gathers(gen) if mesh is not None else {}
   return {"choices": out, "gathers": gathers, "kv_spec": str(getattr(k.sharding, "spec", None)),
           "kv_shard_shape": list(k.addressable_shards[0].data.shape),
-          "kv_devices": len(k.sharding.device_set), "compiles": gen.compiles}
+          "kv_devices": [len(r.k_pool.sharding.device_set) for r in gen.runners],
+          "groups": gen.data_groups, "compiles": gen.compiles}
 
 
 def all_gathers(gen) -> dict:
   """What the all-gathers of a compiled mixed-variant prefill step gather: (dtype, shape) of
   each, and the KV pool's shape."""
-  gen.add(list(range(3, 40)), 2, SamplingParams(max_new_tokens=1))
-  gen._admit()
-  _, prefill, _ = gen._plan()
-  batch, _, _, base_only = gen._batch([], prefill)
-  txt = gen.runner.lower(batch, base_only).compile().as_text()
+  r = gen.add(list(range(3, 40)), 2, SamplingParams(max_new_tokens=1))
+  plan = gen.schedulers[r.group_index].schedule()
+  runner = gen.runners[r.group_index]
+  txt = runner.lower(plan.batch, plan.base_only).compile().as_text()
   shapes = [re.search(r"=\s*\(?(\w+)\[([\d,]*)\]", line) for line in txt.splitlines()
             if " all-gather(" in line or "all-gather-start(" in line]
   return {"gathered": [[m.group(1), [int(d) for d in m.group(2).split(",") if d]]
                        for m in shapes if m],
-          "pool_shape": list(gen.runner.k_pool.shape)}
+          "pool_shape": list(runner.k_pool.shape)}
+
+
+def decode_costs(mesh) -> list[dict]:
+  """Eight sequences decoding with mixed variants on ``mesh``: per data group, the sequences its
+  scheduler holds and its decode step's compiled cost (`cost_analysis`: per device)."""
+  model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  vs = variants(model)
+  gen = Generator(model, mesh=mesh, max_rows=8, max_seq_len=128, page_size=8, prefill_chunk=32)
+  gen.load_variant(1, vs[1])
+  rng = np.random.default_rng(3)
+  reqs = [gen.add(rng.integers(3, CFG.vocab_size, 6).tolist(), i % 2,
+                  SamplingParams(max_new_tokens=100)) for i in range(8)]
+  while any(r.num_generated == 0 for r in reqs):  # every prompt computed: all decode now
+    gen.step()
+  out = []
+  for sched, runner in zip(gen.schedulers, gen.runners):
+    plan = sched.schedule()
+    cost = runner.lower(plan.batch, plan.base_only).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    out.append({"sequences": len(sched.running), "decode_tokens": len(plan.decode),
+                "step_tokens": int(plan.batch.num_tokens), "flops": float(cost["flops"]),
+                "bytes": float(cost.get("bytes accessed", 0.0)),
+                "devices": len(runner.mesh.devices.flat)})
+  return out
 
 
 def main(path: str) -> None:
@@ -188,6 +214,9 @@ def main(path: str) -> None:
     d, m = map(int, spec.split("x"))
     rep["meshes"][spec] = run(sharding.make_mesh(f"data={d},model={m}"))
   rep["meshes"]["2x4_scan"] = run(sharding.make_mesh("data=2,model=4"), scan=True)
+  rep["decode_costs"] = {
+    "1x4": decode_costs(sharding.make_mesh("data=1,model=4", jax.devices()[:4])),
+    "2x4": decode_costs(sharding.make_mesh("data=2,model=4"))}
   pathlib.Path(path).write_text(json.dumps(rep))
 
 

@@ -60,7 +60,7 @@ class ReplayRunner:
   def __init__(self, num_pages: int, page_size: int, scheduler_ref: list):
     self.kv = np.full((num_pages, page_size), -1, np.int64)
     self.ps = page_size
-    self.sched = scheduler_ref  # [PagedGenerator], set after construction
+    self.sched = scheduler_ref  # [Generator], set after construction
     self.steps = []  # (num_tokens, base_only)
     self.copies = 0
     self.lost = None
@@ -121,12 +121,12 @@ class ReplayRunner:
 
 def make(num_pages=64, page_size=4, max_rows=4, max_seq_len=64, prefill_chunk=8,
          num_slots=3, prefix_caching=True):
-  from bitdelta_jax.models.paged import PagedGenerator
+  from bitdelta_jax.engine.generator import Generator
 
   cfg = types.SimpleNamespace(vocab_size=VOCAB, extra_vocab=0, num_slots=num_slots)
   ref: list = []
   runner = ReplayRunner(num_pages, page_size, ref)
-  gen = PagedGenerator(types.SimpleNamespace(config=cfg), max_rows=max_rows,
+  gen = Generator(types.SimpleNamespace(config=cfg), max_rows=max_rows,
                        max_seq_len=max_seq_len, page_size=page_size, num_pages=num_pages,
                        prefill_chunk=prefill_chunk, prefix_caching=prefix_caching,
                        runner=runner)
@@ -137,8 +137,8 @@ def make(num_pages=64, page_size=4, max_rows=4, max_seq_len=64, prefill_chunk=8,
 def drive(gen, requests, max_steps=500):
   """requests: (prompt, slot, n, max_new). Runs to completion; returns each choice's tokens
   (keyed (request, choice)) and checks that every page is free again."""
-  from bitdelta_jax.models.paged_batch import finish_reason
-  from bitdelta_jax.models.sampling_params import SamplingParams
+  from bitdelta_jax.engine.stops import check_stop
+  from bitdelta_jax.engine.sampling_params import SamplingParams
 
   out = {}
   for r, (prompt, slot, n, max_new) in enumerate(requests):
@@ -150,7 +150,7 @@ def drive(gen, requests, max_steps=500):
     res = gen.step()
     assert not res.errors, res.errors
     for s, _ in res.tokens:
-      if finish_reason(s, gen.max_seq_len) is not None:
+      if check_stop(s, gen.max_seq_len) is not None:
         out[s.tag] = list(s.generated)
         gen.finish(s)
   assert not gen.has_work, "the scheduler left work undone (a stuck sequence)"
@@ -159,7 +159,7 @@ def drive(gen, requests, max_steps=500):
 
 
 def want(gen, requests):
-  from bitdelta_jax.models.paged_batch import prng_key
+  from bitdelta_jax.engine.batch import prng_key
 
   return {(r, c): expected(p, m, slot, key_salt(prng_key(r, c)))
           for r, (p, slot, n, m) in enumerate(requests) for c in range(n)}

@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bitdelta_jax import sharding  # noqa: E402
-from bitdelta_jax.delta.compress import Dense  # noqa: E402
+from bitdelta_jax.delta.entries import Dense  # noqa: E402
 from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
 from bitdelta_jax.models.layers import DeltaDense, SlotBank  # noqa: E402

@@ -1,4 +1,4 @@
-"""The public `Generator` (the one engine, `PagedGenerator`): seeded sampling, host stops,
+"""The public `Generator` (the one engine, `Generator`): seeded sampling, host stops,
 variant rows against their applied models, slot swaps without recompiling."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 from model_fixtures import make_tokenizer_dir
 
 from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
-from bitdelta_jax.models import Generator, base_tensors, from_pretrained, from_tensors
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine import Generator
+from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
+from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.models.tokenizer import Tokenizer
 
 RNG = np.random.RandomState(0)

@@ -1,4 +1,4 @@
-"""Structured-output masks (`bitdelta_jax.models.grammar`) with real tokenizers.
+"""Structured-output masks (`bitdelta_jax.engine.grammar`) with real tokenizers.
 
 Decoding is driven by the mask alone: random allowed tokens (after a few dozen steps, closing
 quotes/brackets when allowed, so every walk ends) until the grammar is finished. The text must
@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("llguidance")
 
-from bitdelta_jax.models.grammar import (  # noqa: E402
+from bitdelta_jax.engine.grammar import (  # noqa: E402
   GrammarError,
   apply_bitmask,
   apply_bitmask_reference,

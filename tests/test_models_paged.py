@@ -13,9 +13,9 @@ from model_fixtures import hf_greedy
 
 from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
 from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
-from bitdelta_jax.models.kv_pages import PagePool, page_hashes
-from bitdelta_jax.models.paged import PagedGenerator
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine.kv_pages import PagePool, page_hashes
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
 
 RNG = np.random.RandomState(0)
 PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
@@ -30,7 +30,7 @@ def test_greedy_matches_transformers_with_chunks_and_pages(hf_models, preset, sc
   # pages of 4 tokens, prefill chunks of 8 tokens (prompts of 9, 11, 14 tokens take 2 chunks),
   # 3 rows for 5 prompts (rows are refilled); the layers unrolled or as one scan (sliding
   # windows then come from a per-layer array)
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=3, max_seq_len=32,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=3, max_seq_len=32,
                        page_size=4, prefill_chunk=8, scan_layers=scan)
   assert (gen.runner._stacked is not None) == scan
   results = gen.generate(PROMPTS, params=SamplingParams(max_new_tokens=8))
@@ -47,7 +47,7 @@ def llama_path(hf_models):
 
 def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
   hf, path = llama_path
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=48,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=48,
                        page_size=4, prefill_chunk=16)
   header = list(RNG.randint(3, 256, 13))
   prompts = [header + list(RNG.randint(3, 256, n)) for n in (2, 5, 7)]
@@ -65,7 +65,7 @@ def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
 def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
   hf, path = llama_path
   # 9 usable pages of 4 tokens = 36 tokens for 4 sequences that need up to 22 each
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=32,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=32,
                        page_size=4, num_pages=10, prefill_chunk=8,
                        prefix_caching=False)
   prompts = [PROMPTS[1], PROMPTS[2], PROMPTS[4], PROMPTS[1]]
@@ -77,7 +77,7 @@ def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
 
 def test_sequence_larger_than_the_pool_is_an_error(llama_path):
   _, path = llama_path
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
                        page_size=4, num_pages=4)
   with pytest.raises(RuntimeError, match="cannot hold a sequence of 20 tokens"):
     gen.generate([list(range(3, 23))], params=SamplingParams(max_new_tokens=2))
@@ -85,7 +85,7 @@ def test_sequence_larger_than_the_pool_is_an_error(llama_path):
 
 def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
   hf, path = llama_path
-  gen = PagedGenerator(from_pretrained(path, jnp.float32, num_slots=2), max_rows=8,
+  gen = Generator(from_pretrained(path, jnp.float32, num_slots=2), max_rows=8,
                        max_seq_len=64, page_size=4, prefill_chunk=24)
   assert gen.shapes.buckets() == [1, 2, 4, 8, 16, 32]  # budget = 8 decode + 24 prompt tokens
   gen.warmup()
@@ -106,7 +106,7 @@ def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
 
 def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
   hf, path = llama_path
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
                        page_size=4, prefill_chunk=8)
   short = gen.add(PROMPTS[0], params=SamplingParams(max_new_tokens=20))
   gen.step()  # the short prompt's prefill
@@ -128,7 +128,7 @@ def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
 def test_seeded_sampling_is_per_request(llama_path):
   _, path = llama_path
   model = from_pretrained(path, jnp.float32)
-  gen = PagedGenerator(model, max_rows=4, max_seq_len=48, page_size=4)
+  gen = Generator(model, max_rows=4, max_seq_len=48, page_size=4)
   p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7, max_new_tokens=6)
   alone = gen.generate([PROMPTS[0]], params=p)[0].tokens
   others = [dataclasses.replace(p, seed=s) for s in (1, 2, 3)]
@@ -148,7 +148,7 @@ def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
     ft = {k: a if ("embed" in k or "lm_head" in k) and i == 0
           else a + 0.05 * rng.randn(*a.shape).astype(a.dtype) for k, a in base.items()}
     deltas.append(compress(base, ft, CompressPolicy(), hf_layout=True)[0])
-  gen = PagedGenerator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16)
+  gen = Generator(model, max_rows=3, max_seq_len=32, page_size=4, prefill_chunk=16)
   for slot, delta in zip((1, 2), deltas):
     gen.load_variant(slot, delta)
   params = SamplingParams(max_new_tokens=6)
@@ -160,7 +160,7 @@ def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
   cfg = dataclasses.replace(model.config, num_slots=1, dense_embedding_slots=False)
   for slot in (0, 1, 2):
     weights = base if slot == 0 else apply_delta(base, deltas[slot - 1], hf_layout=True)
-    alone = PagedGenerator(from_tensors(cfg, weights), max_rows=2, max_seq_len=32)
+    alone = Generator(from_tensors(cfg, weights), max_rows=2, max_seq_len=32)
     rows = [i for i, s in enumerate(slots) if s == slot]
     want = alone.generate([prompts[i] for i in rows], params=params)
     assert [mixed[i].tokens for i in rows] == [w.tokens for w in want]
@@ -206,7 +206,7 @@ def llama_model(llama_path):
 def gen(llama_model):
   """One engine for these tests (its compiled shapes are shared): pages of 4 tokens, prefill
   chunks of 8, 4 rows."""
-  return PagedGenerator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8)
+  return Generator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8)
 
 
 def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model, gen):
@@ -237,7 +237,7 @@ def test_scoring_only_request_generates_nothing(gen):
 
 
 def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
-  from bitdelta_jax.models.paged import prng_key
+  from bitdelta_jax.engine.batch import prng_key
 
   # 14 new tokens (2 prefill chunks): 3 full pages + a partial one (copied per choice)
   prompt = list(np.random.RandomState(5).randint(3, 256, 14))
@@ -269,7 +269,7 @@ def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_mode
   with the controls applied by numpy (tests/test_models_sampling.py's reference)."""
   from test_models_sampling import numpy_controls
 
-  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.engine.controls import LogitControls
 
   prompt = PROMPTS[1]
   plain = gen.generate([prompt], params=SamplingParams(max_new_tokens=8))[0].tokens
@@ -357,7 +357,7 @@ def test_n_choices_fork_whatever_call_computes_the_leaders_last_prompt_token(gen
   """Issue 24: a leader with one prompt token left to compute (a 1-token prompt, or a prompt
   whose full pages are prefix-cache hits) used to run as a decode row, which never forked its
   choices: they hung. Cached and uncached, every choice finishes and equals its lone run."""
-  from bitdelta_jax.models.paged import prng_key
+  from bitdelta_jax.engine.batch import prng_key
 
   prompt = list(np.random.RandomState(length).randint(3, 256, length))
   p = SamplingParams(temperature=1.0, seed=3, max_new_tokens=3)
@@ -380,7 +380,7 @@ def test_n_choices_fork_whatever_call_computes_the_leaders_last_prompt_token(gen
 def test_prng_key_on_the_host_equals_jax_keys():
   import jax
 
-  from bitdelta_jax.models.paged_batch import prng_key
+  from bitdelta_jax.engine.batch import prng_key
 
   for seed in (0, 7, 123456789, 2**31 - 1, 2**32 - 1, -5, 2**40 + 3):
     for choice in (0, 1, 2, 15, 2**31):
@@ -395,19 +395,19 @@ def test_step_cache_loads_every_program_and_gives_the_same_tokens(llama_path, tm
   hf, path = llama_path
   kw = dict(max_rows=2, max_seq_len=32, page_size=4, prefill_chunk=6, step_cache_dir=tmp_path)
   prompts = [PROMPTS[0], PROMPTS[1]]
-  first = PagedGenerator(from_pretrained(path, jnp.float32), **kw)
+  first = Generator(from_pretrained(path, jnp.float32), **kw)
   first.warmup()
   assert first.runner.loaded_programs == 0 and first.compiles == 4  # buckets 1, 2, 4, 8
   files = sorted(tmp_path.iterdir())
   assert len(files) == 4
   files[0].write_bytes(b"not a program")  # a bad entry is a miss, compiled and saved again
-  again = PagedGenerator(from_pretrained(path, jnp.float32), **kw)
+  again = Generator(from_pretrained(path, jnp.float32), **kw)
   again.warmup()
   assert again.runner.loaded_programs == 3 and again.compiles == 4
   again.runner.guard = True
   res = again.generate(prompts, params=SamplingParams(max_new_tokens=6))
   for p, r in zip(prompts, res):
     assert r.tokens == hf_greedy(hf, p, 6)
-  other = PagedGenerator(from_pretrained(path, jnp.float32), **{**kw, "max_seq_len": 40})
+  other = Generator(from_pretrained(path, jnp.float32), **{**kw, "max_seq_len": 40})
   other.warmup()  # other shapes: other keys, nothing loaded
   assert other.runner.loaded_programs == 0

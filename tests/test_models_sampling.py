@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bitdelta_jax.models.sampling import SamplingParams, sample
+from bitdelta_jax.engine.sampling import SamplingParams, sample
 
 LOGITS = jnp.log(jnp.asarray([0.05, 0.4, 0.3, 0.15, 0.1]))
 
@@ -56,7 +56,7 @@ def test_params_are_validated():
 def test_fast_sampler_equals_the_reference(scale):
   """Same tokens for the same keys: greedy, temperature only, top-k (below, at and above the
   candidate counts), top-p (narrow and wide nuclei, so every fallback runs), mixed rows."""
-  from bitdelta_jax.models.sampling import sample_reference
+  from bitdelta_jax.engine.sampling import sample_reference
 
   r, v = 96, 5000
   rng = np.random.default_rng(int(scale * 10))
@@ -95,7 +95,7 @@ def test_top_k_and_top_p_supports_match_numpy():
 # -- logit controls: mask, bias (min_tokens), penalties; log probabilities ----------------------
 def _controls(rng, r, v, h=24):
   """Random per-row controls, each row using a random subset (some rows none at all)."""
-  from bitdelta_jax.models.controls import LogitControls, mask_words
+  from bitdelta_jax.engine.controls import LogitControls, mask_words
 
   c = LogitControls.neutral(r, v, h)
   for i in range(r):
@@ -150,8 +150,8 @@ def numpy_controls(x: np.ndarray, c) -> np.ndarray:
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_controls_equal_numpy_and_fast_sampler_equals_reference(seed):
-  from bitdelta_jax.models.controls import apply_controls
-  from bitdelta_jax.models.sampling import sample_reference
+  from bitdelta_jax.engine.controls import apply_controls
+  from bitdelta_jax.engine.sampling import sample_reference
 
   r, v = 48, 700
   rng = np.random.default_rng(seed)
@@ -176,7 +176,7 @@ def test_controls_equal_numpy_and_fast_sampler_equals_reference(seed):
 
 
 def test_neutral_controls_change_nothing():
-  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.engine.controls import LogitControls
 
   r, v = 16, 300
   rng = np.random.default_rng(5)
@@ -189,7 +189,7 @@ def test_neutral_controls_change_nothing():
 
 
 def test_logprobs_are_the_raw_log_softmax():
-  from bitdelta_jax.models.controls import logprobs_of
+  from bitdelta_jax.engine.controls import logprobs_of
 
   r, v = 6, 50
   rng = np.random.default_rng(2)

@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
-from bitdelta_jax.models.paged import PagedGenerator
+from bitdelta_jax.engine.generator import Generator
 from pallas_kernels.paged_attention import api, cpu
 
 pytestmark = pytest.mark.skipif(
@@ -119,7 +119,7 @@ def models():
 @pytest.mark.parametrize("tokens", [1, 8, 32])  # a decode step of 1 and 8 rows, with a prompt
 def test_bf16_step_has_no_pass_over_the_whole_pool(models, tokens):
   m16, _ = models
-  gen = PagedGenerator(m16, max_rows=8, max_seq_len=128, page_size=PS, num_pages=BIG_POOL,
+  gen = Generator(m16, max_rows=8, max_seq_len=128, page_size=PS, num_pages=BIG_POOL,
                        prefill_chunk=24)
   step = gen.runner.lower(gen.shapes.empty(tokens), gen.base_only).compile().as_text()
   dims = f"{CFG.num_layers},{BIG_POOL},{PS},{CFG.num_kv_heads},{CFG.head_dim}"
@@ -149,13 +149,14 @@ def _logits_per_step(model, gen, prompts, decode_steps, monkeypatch, kernels: bo
   rng = np.random.default_rng(1)
   out = []
   for _ in range(decode_steps + 2):
-    gen._admit()
-    decode, prefill, _ = gen._plan()
-    batch, outputs, _, _ = gen._batch(decode, prefill)
+    sched = gen.scheduler
+    sched._admit()
+    decode, prefill, _ = sched._plan()
+    batch, outputs, _ = sched._batch(decode, prefill)
     logits, k, v = fwd(state, k, v, batch)
     out.append(np.asarray(logits, np.float64)[: len(outputs)])
     for s, n in decode + prefill:
-      gen._advance(s, n)
+      sched._advance(s, n)
     for s in outputs:
       s.tokens.append(int(rng.integers(CFG.vocab_size)))
   for s in seqs:
@@ -168,7 +169,7 @@ def test_bf16_decode_matches_the_f32_model_like_xlas_bf16(models, monkeypatch):
   prompts = [list(range(3, 24)), list(range(40, 47)), list(range(60, 93))]
 
   def run(model, kernels):
-    gen = PagedGenerator(model, max_rows=4, max_seq_len=128, page_size=PS,
+    gen = Generator(model, max_rows=4, max_seq_len=128, page_size=PS,
                          num_pages=BIG_POOL // 16, prefill_chunk=64)
     return _logits_per_step(model, gen, prompts, 6, monkeypatch, kernels)
 

@@ -70,7 +70,22 @@ def test_kv_pages_split_by_kv_head_when_the_heads_divide(report):
   assert m24["kv_shard_shape"][3] == one["kv_shard_shape"][3] // 4
   assert m18["kv_spec"] == "P(None, None, None, None, None)"
   assert m18["kv_shard_shape"] == one["kv_shard_shape"]
-  assert m18["kv_devices"] == m24["kv_devices"] == 8
+  assert m18["kv_devices"] == [8] and m24["kv_devices"] == [4, 4]  # data=2: a pool per group
+  assert m18["groups"] == 1 and m24["groups"] == 2
+
+
+def test_data_groups_split_the_work(report):
+  """``data=2, model=4``: two data groups, each stepping its own sequences on its own 4
+  devices, so per device a decode step of 8 sequences costs half the flops of the same 8 on
+  ``data=1, model=4`` (where one group holds all 8)."""
+  one, two = report["decode_costs"]["1x4"], report["decode_costs"]["2x4"]
+  assert [g["sequences"] for g in one] == [8] and [g["sequences"] for g in two] == [4, 4]
+  assert [g["decode_tokens"] for g in two] == [4, 4]
+  assert all(g["devices"] == 4 for g in one + two)
+  for g in two:
+    assert g["step_tokens"] == one[0]["step_tokens"] // 2, (g, one)
+    ratio = g["flops"] / one[0]["flops"]
+    assert 0.4 <= ratio <= 0.6, (ratio, g, one)
 
 
 @pytest.mark.parametrize("spec", ["2x4"])

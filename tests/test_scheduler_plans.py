@@ -1,4 +1,4 @@
-"""The scheduler (`bitdelta_jax.models.paged.PagedGenerator`) plans without JAX, and its plans
+"""The scheduler (`bitdelta_jax.engine.scheduler.Scheduler`) plans without JAX, and its plans
 are right: `scheduler_replay` replays them on a numpy stand-in for the device whose cache holds
 token ids, so every query must read exactly its own sequence's tokens (see that module)."""
 
@@ -14,11 +14,11 @@ import scheduler_replay as replay
 
 @pytest.mark.parametrize("name", sorted(replay.SCENARIOS))
 def test_plans_give_every_query_its_own_context(name, monkeypatch):
-  from bitdelta_jax.models.paged import PagedGenerator
+  from bitdelta_jax.engine.scheduler import Scheduler
 
   preempted = []
-  orig = PagedGenerator._preempt_newest
-  monkeypatch.setattr(PagedGenerator, "_preempt_newest",
+  orig = Scheduler._preempt_newest
+  monkeypatch.setattr(Scheduler, "_preempt_newest",
                       lambda self: preempted.append(1) or orig(self))
   gen, runner = replay.run_scenario(name)
   # each scenario exercises what it is named for

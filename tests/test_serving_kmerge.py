@@ -19,12 +19,14 @@ from kmerge_fixtures import NANO, random_adapter  # noqa: E402
 from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
 from bitdelta_jax.kmerge import KMergePool, PoolConfig, canonical  # noqa: E402
 from bitdelta_jax.merge.lora import from_factors, save_adapter  # noqa: E402
-from bitdelta_jax.models import Generator, from_tensors  # noqa: E402
+from bitdelta_jax.engine import Generator
+from bitdelta_jax.models import from_tensors  # noqa: E402
 from bitdelta_jax.models.loading import load_config  # noqa: E402
-from bitdelta_jax.models.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
 from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
 from serving.app import BadVariantsError, ServerThread  # noqa: E402
 from serving.config import ConfigError, ServerConfig  # noqa: E402
+from bitdelta_jax.engine.bank_options import Banks  # noqa: E402
 from serving.registry import Registry, RegistryError  # noqa: E402
 
 PROMPTS = ["hello", "abc def", "1 2 3"]
@@ -155,7 +157,7 @@ def test_startup_errors(pool_dir, tmp_path):
 
 
 def test_registry_aliases(pool_dir):
-  reg = Registry("base", lora_rank=4)
+  reg = Registry("base", banks=Banks(lora_rank=4))
   reg.add("m1", pool_dir / "members" / "m1", 10, source="kmerge")
   reg.add_alias("t0", "m1")
   assert reg.get("t0") is reg.get("m1") and "t0" in reg and reg.tasks_of("m1") == ["t0"]

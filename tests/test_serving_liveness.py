@@ -107,14 +107,14 @@ def test_a_sequence_without_progress_is_failed_and_frees_its_slot(server):
   engine = srv.engine
 
   def freeze(gen):  # a scheduler fault: v2's sequences are never planned
-    plan = gen._plan
+    plan = gen.scheduler._plan
 
     def without_v2():
       decode, prefill, errors = plan()
-      keep = lambda work: [(s, n) for s, n in work if s.tag.model != "v2"]  # noqa: E731
+      keep = lambda work: [(s, n) for s, n in work if s.model != "v2"]  # noqa: E731
       return keep(decode), keep(prefill), errors
 
-    gen._plan = without_v2
+    gen.scheduler._plan = without_v2
     return plan
 
   original = engine.call(freeze).result(10)
@@ -134,7 +134,7 @@ def test_a_sequence_without_progress_is_failed_and_frees_its_slot(server):
     assert "no progress" in r.json()["error"]["message"]
     assert 1.5 <= took < 10, took
   finally:
-    engine.call(lambda gen: setattr(gen, "_plan", original)).result(10)
+    engine.call(lambda gen: setattr(gen.scheduler, "_plan", original)).result(10)
   assert health[0]["status"] == "degraded"
   assert health[0]["stalled"]["sequences_without_progress"] == 3, health
   assert srv.registry.get("v2").in_flight == 0

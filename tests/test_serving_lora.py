@@ -13,9 +13,10 @@ from bitdelta_jax.delta.compress import apply_delta
 from bitdelta_jax.delta.store import load_delta
 from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.merge.lora import apply_adapter, from_factors, save_adapter
-from bitdelta_jax.models import Generator, from_tensors
+from bitdelta_jax.engine import Generator
+from bitdelta_jax.models import from_tensors
 from bitdelta_jax.models.loading import load_config
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.models.tokenizer import Tokenizer
 from serving.app import ServerThread
 from serving.config import ServerConfig

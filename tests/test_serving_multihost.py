@@ -1,4 +1,4 @@
-"""Multi-process serving (serving/multihost.py): `bitdelta serve` as 2 processes on loopback,
+"""Multi-process serving (bitdelta_jax/engine/multihost/leader.py): `bitdelta serve` as 2 processes on loopback,
 4 CPU devices each (gloo), one global data=2,model=4 mesh. Process 0's HTTP answers must
 equal a single-process, single-device server's; a killed worker must turn into HTTP 503
 ``worker_lost`` within the step timeout, and /health must say ``degraded``.
@@ -25,8 +25,8 @@ import time
 import pytest
 import requests
 
-from bitdelta_jax.distributed import WorkerLost
-from serving import multihost
+from bitdelta_jax.engine.multihost.runtime import WorkerLost
+from bitdelta_jax.engine.multihost import leader as multihost
 from serving.app import ServerThread
 from serving.cli import add_demo_parser, add_serve_parsers, config_from_args
 from serving.config import ConfigError, ServerConfig
@@ -75,8 +75,8 @@ def test_distributed_flags_and_config(tmp_path):
 def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
   import numpy as np
 
-  from bitdelta_jax.models import step_plan
-  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.engine.multihost import codec as step_plan
+  from bitdelta_jax.engine.controls import LogitControls
 
   rng = np.random.default_rng(0)
   empty = _shapes().empty(8)  # a ragged batch of 8 tokens, 4 lanes and outputs
@@ -105,7 +105,7 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
                  for k in ("mask", "history", "repetition"))
   # a batch's padding (here all of it: a server's 32-token bucket) travels as a count and one
   # value per array
-  from bitdelta_jax.models.paged_batch import StepShapes
+  from bitdelta_jax.engine.batch import StepShapes
 
   big = StepShapes(max_rows=32, max_step_tokens=544, max_pages_per_seq=128, page_size=16,
                    block_pages=8, vocab_size=49152, max_seq_len=2048).empty(32)
@@ -131,7 +131,7 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
 def test_plan_channel_delivers_in_order_and_refuses_a_wrong_token():
   import threading
 
-  from serving.plan_channel import PlanReceiver, PlanSender
+  from bitdelta_jax.engine.multihost.channel import PlanReceiver, PlanSender
 
   sender = PlanSender(2, host="127.0.0.1")
   got: dict[int, list] = {1: [], 2: []}
@@ -200,7 +200,7 @@ class FakeRunner:
 
 
 def _shapes():
-  from bitdelta_jax.models.paged_batch import StepShapes
+  from bitdelta_jax.engine.batch import StepShapes
 
   return StepShapes(max_rows=4, max_step_tokens=12, max_pages_per_seq=6, page_size=4,
                     block_pages=2, vocab_size=100, max_seq_len=24)
@@ -211,7 +211,7 @@ def _tiny_batch():
 
 
 def test_leader_plans_replay_identically_on_a_follower():
-  from bitdelta_jax.models import step_plan
+  from bitdelta_jax.engine.multihost import codec as step_plan
 
   sent = []
   lead = multihost.LeaderRunner(FakeRunner(), sent.append, timeout_s=5)

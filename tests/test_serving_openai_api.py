@@ -240,7 +240,7 @@ def _greedy_ids(client, prompt=PROMPT, **kw) -> list[int]:
 def test_penalties_and_logit_bias_follow_the_numpy_reference(client, models):
   from test_models_sampling import numpy_controls
 
-  from bitdelta_jax.models.controls import LogitControls
+  from bitdelta_jax.engine.controls import LogitControls
 
   tok, fwd = models
   prompt = tok.encode(PROMPT, add_special_tokens=True)

@@ -6,6 +6,7 @@ import pytest
 from bitdelta_jax.delta.compress import CompressPolicy
 from bitdelta_jax.delta.stream import compress_checkpoints
 from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
+from bitdelta_jax.engine.bank_options import Banks
 from serving.registry import Registry, RegistryError
 from serving.testing import TINY
 
@@ -29,10 +30,10 @@ def test_stream_compress_runs_low_rank_modes(dqrelo_delta):
 
 def test_a_delta_whose_rank_exceeds_the_lora_slots_is_refused_at_registration(dqrelo_delta):
   path, _ = dqrelo_delta
-  small = Registry("base", lora_rank=2, vocab_size=TINY.vocab_size)
+  small = Registry("base", banks=Banks(lora_rank=2), vocab_size=TINY.vocab_size)
   with pytest.raises(RegistryError, match="rank 3.*LoRA slots have rank 2.*--lora-rank 3"):
     small.inspect(path, None)
-  assert Registry("base", lora_rank=3, vocab_size=TINY.vocab_size).inspect(path, None).nbytes > 0
+  assert Registry("base", banks=Banks(lora_rank=3), vocab_size=TINY.vocab_size).inspect(path, None).nbytes > 0
 
 
 def test_one_bit_embeddings_only_in_bitdelta_mode(dqrelo_delta, tmp_path):

@@ -20,8 +20,8 @@ import requests
 from model_fixtures import hf_greedy, hf_models  # noqa: F401
 
 from bitdelta_jax.models import from_pretrained
-from bitdelta_jax.models.paged import PagedGenerator
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
 from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import synthetic_family
@@ -56,7 +56,7 @@ def llama(hf_models):  # noqa: F811
 
 def test_recover_fails_the_steps_sequences_and_recomputes_the_others(llama):
   hf, path = llama
-  gen = PagedGenerator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=64,
+  gen = Generator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=64,
                        page_size=4, prefill_chunk=8)
   p = SamplingParams(max_new_tokens=6)
   long = [1] + list(range(20, 41))  # 22 tokens: its prefill takes 3 steps of 8
@@ -154,7 +154,7 @@ def test_repeated_failures_stop_the_engine(tmp_path_factory):
 
 CLI_WORKER = r"""
 import sys
-from bitdelta_jax.models.paged_runner import PagedRunner
+from bitdelta_jax.engine.runner import PagedRunner
 
 def run(self, batch, base_only):  # every step after the warm-up fails
   raise RuntimeError("injected step failure")

@@ -1,4 +1,4 @@
-"""bitdelta_jax.distributed: its flags. The step watchdog (`LeaderRunner`) and two real processes over one
+"""bitdelta_jax.engine.multihost.runtime: its flags. The step watchdog (`LeaderRunner`) and two real processes over one
 global mesh (the same answers as one device; a dead worker gives 503s) are tested through the
 server in tests/test_serving_multihost.py."""
 
@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from bitdelta_jax import distributed
+from bitdelta_jax.engine.multihost import runtime as distributed
 
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 

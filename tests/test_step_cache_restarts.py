@@ -2,7 +2,7 @@
 
 Each start here is its own process, as a user's restart is: a program saved and loaded within
 one process keeps its code resident, so a test in one process cannot see a program that lost
-its object code (`bitdelta_jax.models.step_cache`). The worker builds the paged engine over a
+its object code (`bitdelta_jax.engine.step_cache`). The worker builds the paged engine over a
 tiny Llama checkpoint with JAX's persistent compilation cache and the step cache in one
 directory, warms up (which runs each program once on a padding batch) and generates greedily
 prompts that reach every token bucket; the tokens are checked against transformers.
@@ -37,14 +37,15 @@ path, cache, mode, dtype = sys.argv[1:5]
 jax.config.update("jax_compilation_cache_dir", cache + "/xla")
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-from bitdelta_jax.models import from_pretrained, step_cache
+from bitdelta_jax.models import from_pretrained
+from bitdelta_jax.engine import step_cache
 # as in a server, something compiles before the warm-up: JAX decides once per process whether
 # its persistent cache is used, at the first compile
 jax.jit(lambda x: x + 1)(1.0)
-from bitdelta_jax.models.paged import PagedGenerator
-from bitdelta_jax.models.sampling import SamplingParams
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
 steps = None if mode == "prime" else cache + "/steps"
-gen = PagedGenerator(from_pretrained(path, getattr(jnp, dtype)), max_rows=2, max_seq_len=40,
+gen = Generator(from_pretrained(path, getattr(jnp, dtype)), max_rows=2, max_seq_len=40,
                      page_size=4, prefill_chunk=6, step_cache_dir=steps)
 r = gen.runner
 if mode == "poison":  # what the old code saved: programs JAX's persistent cache returned

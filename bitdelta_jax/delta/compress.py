@@ -26,12 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
+from bitdelta_jax.delta.entries import DeltaMismatchError, Dense, Entry  # noqa: F401
 from bitdelta_jax.delta.format import DEFAULT_GROUP_K, GRANULARITIES, PackedDelta, dense_delta, pack
 from bitdelta_jax.delta.report import Report, TensorReport
-
-
-class DeltaMismatchError(ValueError):
-  """Base and fine-tune (or base and delta) do not correspond."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,20 +94,6 @@ class CompressPolicy:
     return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass(frozen=True)
-class Dense:
-  """A tensor kept exactly. ``value`` is None for ``same``; HF or Flax layout as given."""
-
-  kind: str  # "same" | "value" | "delta"
-  value: np.ndarray | None = None
-  extra_rows: np.ndarray | None = None
-
-  @property
-  def nbytes(self) -> int:
-    return sum(int(a.nbytes) for a in (self.value, self.extra_rows) if a is not None)
-
-
-Entry = PackedDelta | Dense  # or, for other modes, `ResidualEntry` / `LoraEntry`
 
 
 @functools.partial(jax.jit, static_argnames=("granularity", "group_k", "transpose"))

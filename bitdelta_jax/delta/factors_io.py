@@ -29,7 +29,7 @@ from bitdelta_jax.delta.residual import (
   pack_codes,
   unpack_codes,
 )
-from bitdelta_jax.models.slots import LoraEntry, ResidualEntry
+from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 
 
 def is_low_rank(entry) -> bool:

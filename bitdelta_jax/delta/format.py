@@ -16,21 +16,22 @@ K is padded up to a multiple of ``group_k``; padded rows hold bit 0 and are neve
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Literal
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Granularity = Literal["matrix", "column"]
-GRANULARITIES: tuple[str, ...] = ("matrix", "column")
-LAYOUT = "group-bitplane-v1"
-DEFAULT_GROUP_K = 128
+from bitdelta_jax.delta.entries import (  # noqa: F401  (the layout's names, read from here)
+  DEFAULT_GROUP_K,
+  GRANULARITIES,
+  LAYOUT,
+  Granularity,
+  PackedDelta,
+  packed_rows,
+  register_pytrees,
+  round_up,
+)
 
-
-def round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
+register_pytrees()
 
 
 def group_k_for(k: int, group_k: int = DEFAULT_GROUP_K) -> int:
@@ -56,51 +57,6 @@ def group_k_for(k: int, group_k: int = DEFAULT_GROUP_K) -> int:
     if g > 0 and g % 8 == 0 and k8 % g == 0:
       return g
   return group_k
-
-
-def packed_rows(k: int, group_k: int) -> int:
-  return round_up(k, group_k) // 8
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedDelta:
-  """A 1-bit delta of one ``[K, N]`` kernel, or a bank of them (leading axes on the data).
-
-  Attributes:
-    bits: uint8 ``[..., round_up(K, group_k) // 8, N]``, layout described in the module doc.
-    scale: float32 ``[..., 1]`` (per matrix) or ``[..., N]`` (per output column).
-    shape: logical ``(K, N)`` of one matrix.
-    group_k: rows per bit-plane group (a multiple of 8).
-    granularity: ``"matrix"`` or ``"column"``.
-  """
-
-  bits: jax.Array | np.ndarray
-  scale: jax.Array | np.ndarray
-  shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
-  group_k: int = dataclasses.field(metadata=dict(static=True), default=DEFAULT_GROUP_K)
-  granularity: str = dataclasses.field(metadata=dict(static=True), default="matrix")
-  layout: str = dataclasses.field(metadata=dict(static=True), default=LAYOUT)
-
-  def __post_init__(self):
-    k, n = self.shape
-    if self.granularity not in GRANULARITIES:
-      raise ValueError(f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-    if self.layout != LAYOUT:
-      raise ValueError(f"unknown bit layout {self.layout!r} (this version reads {LAYOUT!r})")
-    # Shape checks only when the leaves are concrete arrays (not tracers / abstract leaves).
-    bits_shape = getattr(self.bits, "shape", None)
-    if bits_shape is not None and len(bits_shape) >= 2:
-      want = (packed_rows(k, self.group_k), n)
-      if tuple(bits_shape[-2:]) != want:
-        raise ValueError(
-          f"PackedDelta bits have trailing shape {tuple(bits_shape[-2:])}, expected {want} "
-          f"for logical shape {self.shape} with group_k={self.group_k}"
-        )
-
-  @property
-  def nbytes(self) -> int:
-    return int(np.prod(self.bits.shape)) + 4 * int(np.prod(self.scale.shape))
 
 
 def _pack_bits(positive, k: int, group_k: int, xp):

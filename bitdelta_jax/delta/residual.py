@@ -46,7 +46,7 @@ import ml_dtypes
 import numpy as np
 
 from bitdelta_jax.delta.format import DEFAULT_GROUP_K, PackedDelta, pack
-from bitdelta_jax.models.slots import LoraEntry, ResidualEntry
+from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 
 MODES: tuple[str, ...] = ("bitdelta", "dqrelo", "svd", "delta-come")
 CODE_WIDTHS: tuple[int, ...] = (2, 4, 8)

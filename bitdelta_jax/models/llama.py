@@ -17,7 +17,7 @@ Public entry points on `LlamaForCausalLM`:
   ``[L, B, max_len, kv_heads, head_dim]`` before attending over it.
 * ``forward_paged(batch: PagedBatch, k_pool, v_pool)`` → ``(logits [N,V], k_pool, v_pool)``:
   the serving engine's one computation over a paged KV cache ``[L, pages, page_size,
-  kv_heads, head_dim]`` (see `bitdelta_jax.models.paged`): decode rows, prompt chunks and
+  kv_heads, head_dim]`` (see `bitdelta_jax.engine.generator`): decode rows, prompt chunks and
   several prompts packed into one row alike.
 
 ``slot_ids [B]`` picks each row's variant (0 = base); None runs the base for every row.
@@ -34,7 +34,7 @@ from flax import nnx
 
 from bitdelta_jax.models.config import ModelConfig
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-from bitdelta_jax.models.pytrees import register_step_data
+from bitdelta_jax.engine.pytrees import register_step_data
 
 register_step_data()  # forward_paged reads a PagedBatch
 
@@ -232,7 +232,7 @@ class LlamaForCausalLM(nnx.Module):
 
   def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False,
                     kv_sharding=None, layers=None, block_pages: int | None = None):
-    """One ragged token batch over a paged KV cache; see `bitdelta_jax.models.paged_batch`.
+    """One ragged token batch over a paged KV cache; see `bitdelta_jax.engine.batch`.
 
     Every token is a row of its own (``[N, 1, D]`` through the layers, with its own variant
     slot). Each layer writes the new tokens' K/V to their (page, offset) first, then attends

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.delta.format import PackedDelta, _pack_bits, unpack_signs
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
 
@@ -59,33 +60,6 @@ def _targets(model) -> dict[str, tuple[Any, str]]:
     elif isinstance(node, LMHead):
       out[f"{prefix}.weight"] = (node, "head")
   return out
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraEntry:
-  """A LoRA adapter's factors for one linear weight, Flax layout: ``a [in, r]``,
-  ``b [r, out]`` with the adapter's scale folded into ``b``."""
-
-  a: np.ndarray
-  b: np.ndarray
-
-  @property
-  def nbytes(self) -> int:
-    return int(self.a.nbytes + self.b.nbytes)
-
-
-@dataclasses.dataclass(frozen=True)
-class ResidualEntry:
-  """A 1-bit delta plus a low-rank correction of what it leaves out, for one linear weight:
-  ``ΔW ≈ α ⊙ S + a · b`` (e.g. D-QRELO). Served by the slot's 1-bit bank and its LoRA bank
-  together, so such a variant runs in the same mixed batch as plain 1-bit and LoRA variants."""
-
-  packed: PackedDelta
-  lora: LoraEntry
-
-  @property
-  def nbytes(self) -> int:
-    return int(self.packed.nbytes + self.lora.nbytes)
 
 
 def lora_entries(adapter) -> dict[str, LoraEntry]:

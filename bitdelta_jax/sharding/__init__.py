@@ -3,13 +3,13 @@
     from bitdelta_jax import sharding
     mesh = sharding.make_mesh("data=2,model=4")
     sharding.shard_model(model, mesh)                 # params + banks → NamedSharding, in place
-    gen = PagedGenerator(model, mesh=mesh, max_rows=8)  # the one engine, on the mesh
+    gen = Generator(model, mesh=mesh, max_rows=8)  # the one engine, on the mesh
     model = sharding.restore_base(hf_dir, mesh, num_slots=9)   # born sharded, no host copy
     sharding.load_variant_sharded(model, 1, delta_dir)         # per-device slices of the bits
 
 Modules: `mesh` (spec strings), `rules` (partition rules, `shard_model`), `ops` (the delta
 matmul under `shard_map`), `restore` (restore into shardings: safetensors, delta dirs, Orbax).
-The engine places its KV pages and step inputs itself (`bitdelta_jax.models.mesh_layout`).
+The engine places its KV pages and step inputs itself (`bitdelta_jax.engine.mesh_layout`).
 See docs/SCALING.md.
 """
 

@@ -19,9 +19,9 @@ SHIPPED_REAL = Path(__file__).resolve().parent / "shipped_real"
 
 
 def cache_dir() -> Path:
-  root = os.environ.get("BITDELTA_CACHE") or os.path.join(
-    os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "bitdelta_jax")
-  return Path(root) / "zoo"
+  from pallas_kernels.cache import cache_root
+
+  return cache_root() / "zoo"
 
 
 def shipped_family(root: str | os.PathLike | None = None) -> tuple[Path, dict[str, Path]]:

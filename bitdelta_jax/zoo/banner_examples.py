@@ -21,14 +21,14 @@ def answer_chat(base_dir: Path, variants: dict[str, Path], prompts: dict[str, li
   prompts sent as one user chat message each."""
   from bitdelta_jax.delta.store import load_delta
   from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.models.paged import PagedGenerator
-  from bitdelta_jax.models.sampling import SamplingParams
+  from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   names = list(prompts)
   tok = Tokenizer.from_dir(base_dir)
   model = from_pretrained(base_dir, jnp.float32, num_slots=len(names) + 1)
-  gen = PagedGenerator(model, max_rows=32, max_seq_len=256, tokenizer=tok)
+  gen = Generator(model, max_rows=32, max_seq_len=256, tokenizer=tok)
   for slot, n in enumerate(names, start=1):
     gen.load_variant(slot, load_delta(variants[n])[0])
   ids, slots = [], []

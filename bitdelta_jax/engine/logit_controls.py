@@ -1,5 +1,5 @@
 """The per-row logit controls of one step as host data (no JAX): what the scheduler fills in
-and the runner turns into device arrays; `bitdelta_jax.models.controls` applies them."""
+and the runner turns into device arrays; `bitdelta_jax.engine.controls` applies them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def mask_words(vocab_size: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class LogitControls:
-  """Per-row controls (`bitdelta_jax.models.controls` says what each does). Leading axis =
+  """Per-row controls (`bitdelta_jax.engine.controls` says what each does). Leading axis =
   rows; host arrays from the scheduler, device arrays inside the step."""
 
   mask: np.ndarray  # int32 [R, W]

@@ -33,13 +33,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bitdelta_jax.models.logit_controls import (  # noqa: F401 (re-exported)
+from bitdelta_jax.engine.logit_controls import (  # noqa: F401 (re-exported)
   BIAS_SLOTS,
   TOP_LOGPROBS,
   LogitControls,
   mask_words,
 )
-from bitdelta_jax.models.pytrees import register_step_data
+from bitdelta_jax.engine.pytrees import register_step_data
 
 register_step_data()
 

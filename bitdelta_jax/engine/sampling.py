@@ -3,7 +3,7 @@
     sample(logits [R, V], keys [R, 2] uint32, temperature [R], top_p [R], top_k [R],
            controls=None) -> [R] int32
 
-``controls`` (`bitdelta_jax.models.controls.LogitControls`) are applied to the logits first:
+``controls`` (`bitdelta_jax.engine.controls.LogitControls`) are applied to the logits first:
 a structured-output token mask, logit bias (and min_tokens), presence / frequency / repetition
 penalties, all per row; a batch whose rows use none of them skips that work.
 
@@ -34,8 +34,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bitdelta_jax.models.controls import LogitControls, apply_controls
-from bitdelta_jax.models.sampling_params import INT32_MAX, SamplingParams  # noqa: F401
+from bitdelta_jax.engine.controls import LogitControls, apply_controls
+from bitdelta_jax.engine.sampling_params import INT32_MAX, SamplingParams  # noqa: F401
 
 CANDIDATES = (64, 1024)
 _BLOCK = 256

@@ -1,17 +1,17 @@
 """Multi-process serving: process 0 schedules, every process runs the same runner calls.
 
-    # process 0 (the device thread of `serving.engine.Engine`, HTTP in front of it)
+    # process 0 (the device thread of `bitdelta_jax.engine.engine.Engine`, HTTP in front of it)
     gen.runner = LeaderRunner(gen.runner, sender, timeout_s=cfg.step_timeout_s)
     # processes 1..N-1 (no HTTP)
     run_follower(cfg)
 
 JAX's multi-controller runtime needs every process to dispatch the same computations over the
 global mesh in the same order. The one engine is split at that line: the scheduler
-(`bitdelta_jax.models.paged.PagedGenerator`) runs on process 0 only and hands its runner one
+(`bitdelta_jax.engine.generator.Generator`) runs on process 0 only and hands its runner one
 call at a time (a step over a `PagedBatch`, a page copy, a slot write or clear). On process 0
 that runner is a `LeaderRunner`: it encodes each call as compact bytes
-(`bitdelta_jax.models.step_plan`), sends them to every follower over TCP
-(`serving.plan_channel`), and then makes the call itself; each follower decodes the plan and
+(`bitdelta_jax.engine.multihost.codec`), sends them to every follower over TCP
+(`bitdelta_jax.engine.multihost.channel`), and then makes the call itself; each follower decodes the plan and
 makes the same call on its own `PagedRunner`. So n choices, log probabilities, echo, penalties,
 bias, grammar masks, prefix caching and preemption all work across processes: they are host
 decisions that end up as arrays of the batch. Process 0 reads sampled tokens from its own shard
@@ -19,7 +19,7 @@ of the replicated outputs (no extra collective).
 
 Start-up: process 0 opens the plan listener on an ephemeral port and hands its port, a random
 token and the model options it derived from the variant manifests to every process through one
-collective (`bitdelta_jax.distributed.broadcast_json`); the followers connect with the token.
+collective (`bitdelta_jax.engine.multihost.runtime.broadcast_json`); the followers connect with the token.
 
 A lost worker: every call (send + execution, waiting for its results) runs under a timeout on
 process 0. A timeout or a runtime error (gloo reports a closed peer connection within
@@ -50,10 +50,10 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.distributed import WorkerLost
-from bitdelta_jax.models import step_plan
+from bitdelta_jax.engine.multihost.runtime import WorkerLost
+from bitdelta_jax.engine.multihost import codec as step_plan
 
-log = logging.getLogger("serving.multihost")
+log = logging.getLogger("bitdelta_jax.engine.multihost.leader")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,8 +239,8 @@ def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
   """Process 0: hands ``build`` (the model options) and the plan channel to every process and
   waits for the followers to connect; returns the `PlanSender`. Call it before any
   computation on the mesh (where the followers start `run_follower`)."""
-  from bitdelta_jax.distributed import broadcast_json
-  from serving.plan_channel import PlanSender
+  from bitdelta_jax.engine.multihost.runtime import broadcast_json
+  from bitdelta_jax.engine.multihost.channel import PlanSender
 
   sender = PlanSender(cfg.num_processes - 1)
   broadcast_json({"build": build, "port": sender.port, "token": sender.token.hex()},
@@ -252,12 +252,13 @@ def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
 def run_follower(cfg) -> int:
   """The loop of a process other than 0: receive plans, make their calls; an exit code.
 
-  Call after `bitdelta_jax.distributed.initialize`. Returns 0 on ``stop``, 1 when the channel
+  Call after `bitdelta_jax.engine.multihost.runtime.initialize`. Returns 0 on ``stop``, 1 when the channel
   to process 0 fails (process 0 died: there is nobody left to serve).
   """
-  from bitdelta_jax.distributed import broadcast_json
-  from serving.engine import build_generator
-  from serving.plan_channel import PlanReceiver
+  from bitdelta_jax.engine.multihost.runtime import broadcast_json
+  from bitdelta_jax.engine.bank_options import Banks
+  from bitdelta_jax.engine.build import build_generator
+  from bitdelta_jax.engine.multihost.channel import PlanReceiver
 
   try:
     hello = broadcast_json(None, max_bytes=1 << 14)
@@ -267,7 +268,7 @@ def run_follower(cfg) -> int:
   except Exception as e:  # noqa: BLE001
     log.error("follower %d: no plan channel from process 0: %s", cfg.process_id, e)
     return 1
-  runner = build_generator(cfg, **hello["build"]).runner
+  runner = build_generator(cfg, Banks(**hello["build"])).runner
   log.info("follower %d: model built; following process 0", cfg.process_id)
   plans = 0
   while True:
@@ -290,7 +291,5 @@ def run_follower(cfg) -> int:
 
 
 def build_options(engine) -> dict:
-  """The model options process 0 derived from the manifests, for `build_generator`."""
-  return {"embedding_slots": bool(engine.embedding_slots), "lora_rank": int(engine.lora_rank),
-          "extra_vocab": int(engine.extra_vocab),
-          "packed_embedding_slots": bool(engine.packed_embedding_slots)}
+  """The banks process 0 derived from the manifests (`Banks`), for `build_generator`."""
+  return engine.banks.model_kwargs()

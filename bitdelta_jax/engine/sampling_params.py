@@ -1,11 +1,11 @@
-"""Per-request decoding parameters (host data, no JAX); `bitdelta_jax.models.sampling` draws
+"""Per-request decoding parameters (host data, no JAX); `bitdelta_jax.engine.sampling` draws
 the tokens they describe."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from bitdelta_jax.models.logit_controls import BIAS_SLOTS
+from bitdelta_jax.engine.logit_controls import BIAS_SLOTS
 
 INT32_MAX = 2**31 - 1
 
@@ -19,7 +19,7 @@ class SamplingParams:
   ``logprobs``: the number of top alternatives to report with each generated token's log
   probability (None: no log probabilities); ``prompt_logprobs`` likewise for the prompt's
   tokens (the engine then computes every prompt token, without prefix reuse). ``grammar``: an
-  object with ``matcher()`` (`bitdelta_jax.models.grammar.CompiledGrammar`) that constrains the
+  object with ``matcher()`` (`bitdelta_jax.engine.grammar.CompiledGrammar`) that constrains the
   output.
   """
 

@@ -1,24 +1,20 @@
-"""The paged engine's data: one call's batch and results, a scheduled sequence, host stops.
+"""One step's data: the batch the scheduler builds and the runner's jitted call reads.
 
-`PagedBatch` is what one jitted call reads (`bitdelta_jax.models.paged_runner.run_impl`:
+`PagedBatch` is what one jitted call reads (`bitdelta_jax.engine.runner.run_impl`:
 ``LlamaForCausalLM.forward_paged``, then the sampler with each output row's logit controls, then
 raw-logit log probabilities of the sampled tokens and of any prompt positions scored);
-`StepOutput` is what it returns. Everything here is host data: no JAX is imported, so the
-scheduler runs without it (`bitdelta_jax.models.pytrees` registers these types for the step). `Seq` is
-one sequence as the scheduler in `bitdelta_jax.models.paged` sees it (n choices of one request
-are n `Seq`s, choice 0 leading until its prompt is computed). `finish_reason` applies the
-host-side stops.
+`StepOutput` is what it returns; `StepShapes` the static shapes of every program. Host data: no
+JAX is imported, so the scheduler runs without it (`bitdelta_jax.engine.pytrees` registers these
+types for the step). `prng_key` is a request's sampling key, computed without JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import numpy as np
 
-from bitdelta_jax.models.logit_controls import LogitControls
-from bitdelta_jax.models.sampling_params import SamplingParams
+from bitdelta_jax.engine.logit_controls import LogitControls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,62 +143,6 @@ def prng_key(seed: int, choice: int = 0) -> np.ndarray:
   return np.asarray(key, np.uint32)
 
 
-@dataclasses.dataclass(eq=False)
-class Seq:
-  """One sequence in the scheduler. ``tokens`` = prompt + generated; the first ``n_cached``
-  have their K/V in ``pages``."""
-
-  prompt: list[int]
-  slot: int
-  params: SamplingParams
-  key: np.ndarray
-  variant_key: tuple
-  order: int
-  tag: object = None
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  pages: list[int] = dataclasses.field(default_factory=list)
-  hashes: list[bytes] = dataclasses.field(default_factory=list)
-  n_cached: int = 0
-  finished: bool = False
-  choice: int = 0  # index among the request's n choices
-  leader: Seq | None = None  # a choice > 0 until it is forked from choice 0 after the prefill
-  followers: list[Seq] = dataclasses.field(default_factory=list)
-  matcher: object = None  # structured output: the grammar state of this sequence
-  grammar_error: str | None = None  # the grammar refused a sampled token (the sequence ends)
-  # per generated token: (logprob, top ids, top logprobs) when params.logprobs is not None
-  token_logprobs: list[tuple] = dataclasses.field(default_factory=list)
-  # prompt position p -> (logprob of prompt[p], top ids, top logprobs), p >= 1
-  prompt_logprobs: dict[int, tuple] = dataclasses.field(default_factory=dict)
-  # when (time.monotonic, scheduler iteration) it was last computed, forked, admitted or deferred
-  progress_at: float = 0.0
-  progress_step: int = 0
-
-  @property
-  def grammar_done(self) -> bool:
-    """The structured output is complete (or its grammar failed): the sequence ends."""
-    return self.matcher is not None and (self.grammar_error is not None
-                                         or self.matcher.is_finished())
-
-  @property
-  def scores_prompt(self) -> bool:
-    return self.params.prompt_logprobs is not None and self.choice == 0
-
-  @property
-  def generated(self) -> list[int]:
-    return self.tokens[len(self.prompt):]
-
-  @property
-  def pending(self) -> int:
-    return len(self.tokens) - self.n_cached
-
-
-@dataclasses.dataclass
-class StepResult:
-  tokens: list[tuple[Seq, int]]  # a new token of each sequence that produced one
-  errors: list[tuple[Seq, str]]  # sequences dropped by the scheduler (they hold no pages)
-  prefill_tokens: int = 0
-
-
 def fill_masks(matchers, mask_RxW: np.ndarray) -> None:
   """Each row's allowed tokens into ``mask_RxW`` (int32 ``[R, ceil(V / 32)]``, pre-filled with
   all ones): rows with a matcher get its bitmask, the words past its tokenizer's vocabulary
@@ -212,7 +152,7 @@ def fill_masks(matchers, mask_RxW: np.ndarray) -> None:
   if not rows:
     return
   try:
-    from bitdelta_jax.models.grammar import Matcher, fill_bitmask_batch
+    from bitdelta_jax.engine.grammar import Matcher, fill_bitmask_batch
 
     if all(isinstance(m, Matcher) for _, m in rows):
       sub = np.full((len(rows), mask_RxW.shape[1]), -1, np.int32)
@@ -224,51 +164,3 @@ def fill_masks(matchers, mask_RxW: np.ndarray) -> None:
   for j, m in rows:
     mask_RxW[j] = 0
     m.fill_bitmask(mask_RxW[j])
-
-
-def finish_reason(s: Seq, max_seq_len: int, tokenizer=None):
-  """(reason, tokens, text) when ``s``'s last token ends it, else None. A stop token is not
-  returned; text is cut before a stop string. A finished grammar stops the sequence."""
-  p, gen = s.params, s.generated
-  if p.max_new_tokens == 0:  # scoring only: the token drawn after the prompt is not kept
-    return "length", [], "" if tokenizer is not None else None
-  if gen[-1] in p.stop_token_ids:
-    toks = gen[:-1]
-    return "stop", toks, tokenizer.decode(toks) if tokenizer is not None else None
-  text = tokenizer.decode(gen) if tokenizer is not None else None
-  if p.stop_strings:
-    hits = [text.find(x) for x in p.stop_strings if x and x in text]
-    if hits:
-      return "stop", list(gen), text[: min(hits)]
-  if s.grammar_done:
-    return "stop", list(gen), text
-  if len(gen) >= p.max_new_tokens or len(s.tokens) >= max_seq_len:
-    return "length", list(gen), text
-  return None
-
-
-@dataclasses.dataclass
-class Generation:
-  """One prompt's result of `PagedGenerator.generate`."""
-
-  tokens: list[int]
-  finish_reason: str  # "stop" | "length"
-  text: str | None = None
-  prompt_len: int = 0
-
-
-def per_request(prompts, slot_ids, params, tokenizer) -> tuple[list[int], list[SamplingParams]]:
-  """``generate``'s arguments as one slot id and one `SamplingParams` per prompt."""
-  n = len(prompts)
-  if slot_ids is None:
-    slots = [0] * n
-  elif isinstance(slot_ids, int):
-    slots = [slot_ids] * n
-  else:
-    slots = list(slot_ids)
-  plist = [params or SamplingParams()] * n if not isinstance(params, Sequence) else list(params)
-  if len(slots) != n or len(plist) != n:
-    raise ValueError("slot_ids and params must have one entry per prompt")
-  if any(p.stop_strings for p in plist) and tokenizer is None:
-    raise ValueError("stop_strings need a tokenizer (Generator(..., tokenizer=...))")
-  return slots, plist

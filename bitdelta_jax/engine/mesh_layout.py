@@ -15,7 +15,7 @@ On a mesh (`bitdelta_jax.sharding.make_mesh`):
   Each layer's new K/V are constrained to the pools' head layout before they are written: a
   k/v projection split by columns that do not fall on head boundaries (4 kv heads over 8
   devices) otherwise led XLA to gather whole pools onto every device to write them.
-* **step inputs and outputs** (`bitdelta_jax.models.paged_batch.PagedBatch`, `StepOutput`):
+* **step inputs and outputs** (`bitdelta_jax.engine.batch.PagedBatch`, `StepOutput`):
   replicated; every device sees the whole (small) batch and the sampled tokens.
 
 The pages are donated to every step, so the cache is never copied.
@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -112,3 +113,50 @@ class MeshLayout:
       jax.jit(copy, donate_argnums=(0, 1), in_shardings=(kv, kv, rep, rep),
               out_shardings=(kv, kv)),
     )
+
+
+def data_groups(model, mesh, rules=None) -> list[tuple[Any, Any]]:
+  """``model`` on ``mesh`` as one ``(model, sub-mesh)`` per index of the ``data`` axis: each
+  sub-mesh is that row of devices (``data=1, model=M``), each model the same parameters viewed
+  on it (its devices' shards of each array: no copy). A mesh without ``data > 1`` is one group.
+
+  A mesh spanning several processes stays one group (its data rows repeat each step): a group
+  on one process's devices would need its results sent back to process 0, which the plan
+  channel does not do (yet)."""
+  import logging
+
+  from bitdelta_jax.sharding.mesh import DATA
+  from bitdelta_jax.sharding.rules import PartitionRules, on_mesh, shard_model
+
+  d = dict(mesh.shape).get(DATA, 1)
+  if d == 1:
+    return [(model, mesh)]
+  if jax.process_count() > 1:
+    logging.getLogger("bitdelta_jax.engine").warning(
+      "data=%d over %d processes: each step runs on every data row (data groups split the "
+      "work on one process only)", d, jax.process_count())
+    return [(model, mesh)]
+  if not on_mesh(model, mesh):
+    shard_model(model, mesh, rules or PartitionRules())
+  from jax.sharding import Mesh, NamedSharding
+
+  axis = mesh.axis_names.index(DATA)
+  graphdef, state = nnx.split(model)
+  out = []
+  for i in range(d):
+    sub = Mesh(np.take(mesh.devices, [i], axis=axis), mesh.axis_names)
+    mine = set(sub.devices.flat)
+
+    def view(a, sub=sub, mine=mine):
+      sharding = NamedSharding(sub, a.sharding.spec)
+      shards = [s.data for s in a.addressable_shards if s.device in mine]
+      return jax.make_array_from_single_device_arrays(a.shape, sharding, shards)
+
+    m = nnx.merge(graphdef, jax.tree.map(view, state))
+    for _, node in nnx.iter_graph(m):  # per-layer ops that hold the mesh (sharded matmuls)
+      if isinstance(node, nnx.Module):
+        for name, value in list(vars(node).items()):
+          if dataclasses.is_dataclass(value) and getattr(value, "mesh", None) is mesh:
+            setattr(node, name, dataclasses.replace(value, mesh=sub))
+    out.append((m, sub))
+  return out

@@ -8,10 +8,10 @@
     runner.copy_pages(src, dst)                   # forked choices' partly filled last pages
     runner.load_variant(slot, delta); runner.clear_slot(slot)
 
-The scheduler (`bitdelta_jax.models.paged.PagedGenerator`) decides everything on the host and
+The scheduler (`bitdelta_jax.engine.generator.Generator`) decides everything on the host and
 hands the runner one `PagedBatch` per call; the runner holds no scheduling state, so every
 process of a multi-process server can replay process 0's calls on its own runner and dispatch
-the same computations in the same order (`serving.multihost`). A batch whose ``controls`` is
+the same computations in the same order (`bitdelta_jax.engine.multihost.leader`). A batch whose ``controls`` is
 None uses cached neutral control arrays (no mask, bias or penalty): plain batches then send and
 transfer nothing for them.
 
@@ -47,13 +47,13 @@ import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models import slots as slots_lib
-from bitdelta_jax.models import step_cache
-from bitdelta_jax.models.controls import LogitControls, logprobs_of
+from bitdelta_jax.engine import step_cache
+from bitdelta_jax.engine.controls import LogitControls, logprobs_of
 from bitdelta_jax.models.llama import stack_layers
-from bitdelta_jax.models.mesh_layout import MeshLayout
-from bitdelta_jax.models.paged_batch import PagedBatch, StepOutput, StepShapes
-from bitdelta_jax.models.pytrees import register_step_data
-from bitdelta_jax.models.sampling import row_keys, sample
+from bitdelta_jax.engine.mesh_layout import MeshLayout
+from bitdelta_jax.engine.batch import PagedBatch, StepOutput, StepShapes
+from bitdelta_jax.engine.pytrees import register_step_data
+from bitdelta_jax.engine.sampling import row_keys, sample
 
 register_step_data()
 log = logging.getLogger("bitdelta_jax.paged_runner")

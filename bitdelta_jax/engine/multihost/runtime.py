@@ -9,9 +9,9 @@ devices after `initialize`), and XLA's collectives move the data. This module on
 * `initialize`: ``jax.distributed.initialize`` with bounded timeouts; on CPU it selects the
   gloo collectives (needed for cross-process computations on CPU devices).
 * `broadcast_json`: one JSON value from process 0 to every process, through a collective
-  (the server hands out its plan channel with it at start-up, `serving.multihost.lead`).
+  (the server hands out its plan channel with it at start-up, `bitdelta_jax.engine.multihost.leader.lead`).
 * `WorkerLost`: what process 0 raises when a step fails or does not finish in time (the
-  watchdog is `serving.multihost.LeaderRunner`), so requests fail with a clear error instead
+  watchdog is `bitdelta_jax.engine.multihost.leader.LeaderRunner`), so requests fail with a clear error instead
   of hanging when a worker dies.
 """
 

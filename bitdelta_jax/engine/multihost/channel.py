@@ -22,7 +22,7 @@ import socket
 import struct
 import time
 
-log = logging.getLogger("serving.plan_channel")
+log = logging.getLogger("bitdelta_jax.engine.multihost.channel")
 
 _HELLO = struct.Struct("<4sI32s")  # b"BDF1", process id, token
 MAX_PLAN_BYTES = 1 << 30

@@ -1,16 +1,18 @@
 """Which per-slot banks a model needs for a set of variants, read from their manifests.
 
-    kw = bank_options(["deltas/math", "adapters/code"], vocab_size=49152)
-    model = from_pretrained(base, num_slots=3, **kw)     # or: from_pretrained(..., variants=[...])
+    banks = banks_for(manifests, vocab_size=49152)       # manifest dicts (a LoRA adapter's:
+    model = from_pretrained(base, num_slots=3, **banks.model_kwargs())   # {"lora_rank": r})
+    kw = bank_options(["deltas/math", "adapters/code"], vocab_size=49152)   # from directories
 
 A variant whose embeddings / LM head changed exactly needs dense embedding banks, a 1-bit one
 packed banks, one that added tokens ``extra_vocab`` rows, a PEFT LoRA adapter or a delta with
 low-rank factors (manifest ``lora_rank``: dqrelo, svd, delta-come) LoRA banks of its rank. The
-server (`serving.app`) and `from_pretrained(..., variants=...)` both ask here.
+server (`serving.app`, `engine.build`) and `from_pretrained(..., variants=...)` all ask here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterable
@@ -46,24 +48,52 @@ def packs_embeddings(manifest: dict) -> bool:
              for n, m in manifest["tensors"].items())
 
 
+@dataclasses.dataclass(frozen=True)
+class Banks:
+  """The per-slot banks of a model: what every variant it may hold needs."""
+
+  dense_embedding_slots: bool = False  # exact embedding / LM-head deltas
+  packed_embedding_slots: bool = False  # 1-bit embedding / LM-head deltas
+  lora_rank: int = 0  # LoRA adapters and low-rank delta factors
+  extra_vocab: int = 0  # rows for added tokens (a multiple of 64)
+
+  def model_kwargs(self) -> dict:
+    """``from_pretrained`` / ``restore_base`` keyword arguments."""
+    return dataclasses.asdict(self)
+
+
+def banks_for(manifests: Iterable[dict], vocab_size: int, *, embedding_slots: bool | None = None,
+              lora_rank: int | None = None, extra_vocab: int | None = None) -> Banks:
+  """The banks that fit every manifest (a delta's, or ``{"lora_rank": r}`` for a PEFT LoRA
+  adapter); an argument that is not None overrides what the manifests ask (the server's
+  ``--embedding-slots``, ``--lora-rank``, ``--extra-vocab``)."""
+  dense = packed = False
+  rank = extra = 0
+  for m in manifests:
+    tensors = m.get("tensors") or {}
+    if tensors:
+      dense |= changes_embeddings(m)
+      packed |= packs_embeddings(m)
+      extra = max(extra, added_tokens(m, vocab_size))
+    rank = max(rank, int(m.get("lora_rank") or 0))  # adapters; dqrelo / svd / delta-come
+  return Banks(dense if embedding_slots is None else bool(embedding_slots), packed,
+               rank if lora_rank is None else int(lora_rank),
+               -(-extra // 64) * 64 if extra_vocab is None else int(extra_vocab))
+
+
 def bank_options(variants: Iterable[str | os.PathLike], vocab_size: int) -> dict:
   """``from_pretrained`` keyword arguments whose banks fit every variant directory (deltas
   and PEFT LoRA adapters): ``dense_embedding_slots``, ``packed_embedding_slots``,
   ``lora_rank``, ``extra_vocab`` (rounded up to 64)."""
   from bitdelta_jax.delta.store import read_manifest
 
-  dense = packed = False
-  rank = extra = 0
+  manifests = []
   for v in variants:
     p = Path(v)
     if (p / "adapter_config.json").exists():
       cfg = json.loads((p / "adapter_config.json").read_text())
-      rank = max(rank, *[int(r) for r in [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]])
-      continue
-    m = read_manifest(p)
-    dense |= changes_embeddings(m)
-    packed |= packs_embeddings(m)
-    extra = max(extra, added_tokens(m, vocab_size))
-    rank = max(rank, int(m.get("lora_rank") or 0))  # dqrelo / svd / delta-come factors
-  return {"dense_embedding_slots": dense, "packed_embedding_slots": packed,
-          "lora_rank": rank, "extra_vocab": -(-extra // 64) * 64}
+      ranks = [int(r) for r in [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]]
+      manifests.append({"lora_rank": max(ranks)})
+    else:
+      manifests.append(read_manifest(p))
+  return banks_for(manifests, vocab_size).model_kwargs()

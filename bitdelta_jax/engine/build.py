@@ -1,0 +1,120 @@
+"""The engine's `Generator` from a configuration: the model on one device, a mesh or several
+processes, its per-slot banks, its KV pages. Each is decided here once; the server's start-up
+checks (`serving.app`) and the engine ask the same functions.
+
+    banks = bank_options.banks_for(manifests, vocab_size)   # which banks the variants need
+    pages = kv_pages(cfg, model_config)                     # KV pages of each data group
+    gen = build_generator(cfg, banks, tokenizer=tok)
+
+``cfg`` is a `serving.config.ServerConfig` or any object with its engine fields (base, dtype,
+mesh, device_slots, max_batch, max_seq_len, page_size, kv_cache_mb, prefill_chunk,
+prefix_caching).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from bitdelta_jax.engine.bank_options import Banks
+
+log = logging.getLogger("bitdelta_jax.engine")
+
+
+def cache_root() -> Path:
+  """Where everything bitdelta-jax keeps between runs lives (compiled steps, XLA's cache, the
+  native kernels, the zoo): ``$BITDELTA_CACHE``, else ``$XDG_CACHE_HOME/bitdelta_jax``, else
+  ``~/.cache/bitdelta_jax``."""
+  from pallas_kernels.cache import cache_root as root
+
+  return root()
+
+
+def step_cache_dir() -> str | None:
+  """Where compiled step programs are kept whole (`bitdelta_jax.engine.step_cache`):
+  ``<cache root>/steps``; None with ``BITDELTA_COMPILE_CACHE=0``."""
+  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0":
+    return None
+  return str(cache_root() / "steps")
+
+
+def enable_compile_cache() -> None:
+  """Keeps compiled executables on disk (``<cache root>/xla``) so a restarted server skips most
+  of its warm-up compiles. ``BITDELTA_COMPILE_CACHE=0`` turns it off."""
+  import jax
+
+  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+    return
+  jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def data_size(cfg) -> int:
+  """The ``data`` size of ``cfg.mesh`` (a checked ``"data=D,model=M"`` spec; 1 without)."""
+  for part in (getattr(cfg, "mesh", None) or "").split(","):
+    name, _, value = part.partition("=")
+    if name.strip() == "data":
+      return int(value)
+  return 1
+
+
+def kv_token_bytes(model_config, itemsize: int) -> int:
+  """Bytes of K and V of one token over every layer and KV head."""
+  mc = model_config
+  return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
+
+
+def kv_pages(cfg, model_config, itemsize: int | None = None) -> int:
+  """KV pages of each data group's pool (the reserved page 0 included): ``kv_cache_mb`` split
+  over the data groups, at most what its rows need at ``max_seq_len``. Raises ValueError when a
+  group's share cannot hold one sequence of ``max_seq_len``."""
+  if itemsize is None:
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
+  groups = data_size(cfg) if not getattr(cfg, "multi_process", False) else 1
+  token_bytes = kv_token_bytes(model_config, itemsize)
+  per_seq = -(-cfg.max_seq_len // cfg.page_size)
+  budget = int(cfg.kv_cache_mb * (1 << 20)) // groups // (token_bytes * cfg.page_size)
+  if budget < per_seq:
+    need_mb = per_seq * cfg.page_size * token_bytes * groups / (1 << 20)
+    raise ValueError(
+      f"kv_cache_mb: {cfg.kv_cache_mb:g} MiB holds {budget * cfg.page_size} tokens of this "
+      f"model's KV cache{f' per data group ({groups})' if groups > 1 else ''}, less than one "
+      f"sequence of max_seq_len {cfg.max_seq_len}; raise --kv-cache-mb to at least "
+      f"{need_mb:.1f} or lower --max-seq-len")
+  rows = max(1, cfg.max_batch // groups)
+  return max(2, min(rows * per_seq, budget) + 1)
+
+
+def build_generator(cfg, banks: Banks = Banks(), *, tokenizer=None,
+                    model_factory: Callable | None = None):
+  """The engine's `Generator`, on one device or, with ``--mesh`` or several processes, over a
+  device mesh (the base restored straight into its shardings; ``data > 1`` splits it into
+  data groups). Every process of a multi-process server builds it with the same arguments (the
+  same JAX computations in the same order); only process 0's scheduler is used."""
+  import jax.numpy as jnp
+
+  from bitdelta_jax.engine.generator import Generator
+
+  dtype = getattr(jnp, cfg.dtype)
+  mesh = None
+  kw = banks.model_kwargs()
+  if cfg.sharded:
+    from bitdelta_jax import sharding
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    log.info("sharded over mesh %s (%d processes)", sharding.mesh_spec(mesh), cfg.num_processes)
+  if model_factory is not None:
+    model = model_factory()
+  elif mesh is not None:
+    model = sharding.restore_base(cfg.base, mesh, dtype, num_slots=cfg.device_slots + 1, **kw)
+  else:
+    from bitdelta_jax.models import from_pretrained
+
+    model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1, **kw)
+  return Generator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
+                   page_size=cfg.page_size,
+                   num_pages=kv_pages(cfg, model.config, model.dtype.itemsize),
+                   prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
+                   tokenizer=tokenizer, mesh=mesh, step_cache_dir=step_cache_dir())
