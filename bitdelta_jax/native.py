@@ -51,9 +51,11 @@ def _share_pool(lib: ctypes.CDLL) -> None:
 
 
 def cache_dir() -> pathlib.Path:
-  root = os.environ.get("BITDELTA_CACHE_DIR") or os.path.join(
-    os.path.expanduser("~"), ".cache", "bitdelta_jax")
-  return pathlib.Path(root)
+  """Where built kernel libraries go: the one cache root (`pallas_kernels.cache.cache_root`,
+  ``$BITDELTA_CACHE``)."""
+  from pallas_kernels.cache import cache_root
+
+  return cache_root()
 
 
 def _compile(cxx: str, src: pathlib.Path, out: pathlib.Path, arch: tuple[str, ...],

@@ -36,6 +36,7 @@ def _example() -> str:
   return re.search(r"```python\n(.*?)```", block, re.S).group(1)
 
 
+@pytest.mark.slow
 def test_api_md_example_runs_and_is_right(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   ns: dict = {}
@@ -88,6 +89,7 @@ def _largest_constant(stablehlo: str) -> int:
   return max(sizes, default=0)
 
 
+@pytest.mark.slow
 def test_from_pretrained_sizes_its_banks_for_the_variants_it_is_given(tmp_path):
   """Issue 23: a delta with 1-bit embeddings (what the shipped real variants are) failed to
   load until the user knew to pass packed_embedding_slots=True."""

@@ -207,6 +207,7 @@ def test_inspect_explains_policy_scales_and_ratios(pair, tmp_path, capsys):
   assert "whole checkpoint" in out
 
 
+@pytest.mark.slow
 def test_closed_pipe_ends_quietly(pair, tmp_path):
   """`bitdelta inspect X | head -1`: the reader is gone before we write; no traceback."""
   assert _compress(pair, tmp_path / "d") == 0

@@ -55,6 +55,7 @@ def test_one_bit_embeddings_match_numpy_and_are_small(pair):
   assert size(exact, EMB) == 2 * v * d * 4  # the exact delta: f32 values
 
 
+@pytest.mark.slow
 def test_one_bit_embeddings_apply_and_serve_from_packed_banks(pair):
   root, base, ft, m, _ = pair
   delta, _ = load_delta(root / "delta")
@@ -124,6 +125,7 @@ def test_bad_embeddings_mode_is_refused(pair, tmp_path):
                          progress=False)
 
 
+@pytest.mark.slow
 def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
   """Through HTTP: the server builds packed embedding banks for it, and its greedy output
   equals greedy decoding of the applied dense model."""
@@ -165,6 +167,7 @@ def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
       assert info["bytes"] * 4 < manifest_bytes(exact)
 
 
+@pytest.mark.slow
 def test_distilling_a_delta_with_one_bit_embeddings(pair, tmp_path):
   """Scale distillation runs through the 1-bit embedding banks (the fused kernel's gradient)
   and trains only the linear layers' α; the embeddings' α stays as compressed."""

@@ -19,6 +19,8 @@ import sys
 import cuda_lowering as cl
 import pytest
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 MOSAIC = "mosaic_gpu_v2"  # the Mosaic GPU custom call (jax 0.10-0.11)
 
 

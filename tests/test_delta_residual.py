@@ -168,6 +168,7 @@ def test_save_load_apply_roundtrip(tmp_path, policy):
     np.testing.assert_array_equal(w, apply_delta(base, delta, hf_layout=True)[name])
 
 
+@pytest.mark.slow
 def test_streamed_compress_and_served_variant(tmp_path):
   """`compress_checkpoints` per mode → `load_delta` → slots of a model with ``lora_rank``: each
   row's logits equal the applied dense model's (BitDelta slots are tested elsewhere)."""

@@ -11,8 +11,8 @@ import pytest
 
 from bitdelta_jax.zoo import SHIPPED_REAL
 
-pytestmark = pytest.mark.skipif(not (SHIPPED_REAL / "family.json").exists(),
-                                reason="no shipped real family")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHIPPED_REAL / "family.json").exists(),
+                                reason="no shipped real family")]
 
 
 @pytest.fixture(scope="module")

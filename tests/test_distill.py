@@ -59,6 +59,7 @@ def test_student_is_base_plus_one_bit_with_the_finetunes_other_tensors(pair, tmp
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_distill_trains_only_scales_and_keeps_finetuned_embeddings(pair, tmp_path):
   import shutil
 
@@ -84,6 +85,7 @@ def test_distill_trains_only_scales_and_keeps_finetuned_embeddings(pair, tmp_pat
   assert changed_scales > 0
 
 
+@pytest.mark.slow
 def test_cli_distill_on_changed_embeddings(pair, tmp_path, capsys):
   import shutil
 

@@ -225,6 +225,7 @@ def test_interrupted_compress_leaves_nothing(pair, tmp_path, monkeypatch):
   assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_console_script_inspect(pair, tmp_path):
   delta = tmp_path / "delta"
   compress_checkpoints(pair["base"], pair["ft"], delta, CompressPolicy(), progress=False)

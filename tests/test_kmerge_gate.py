@@ -20,6 +20,8 @@ from bitdelta_jax.merge.lora import save_adapter  # noqa: E402
 from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
 from bitdelta_jax.zoo.data import encode_example  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 VAL = {"seven": [(p, "7") for p in prompts(99, 16)], "three": [(p, "3") for p in prompts(98, 16)]}
 
 

@@ -121,6 +121,7 @@ def test_bad_targets_and_modules_are_named(nano):
     trainer.forward(adapter)
 
 
+@pytest.mark.slow
 def test_real_lora_is_cached_and_records_scores(tmp_path):
   pytest.importorskip("tokenizers")
   from bitdelta_jax.zoo.real_base import RealBaseUnavailable, import_real_base

@@ -238,6 +238,7 @@ def _dare_masks(seed, name, n, shape, density):
   return [np.asarray(M.random_mask(jax.random.fold_in(key, i), shape, density)) for i in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["dare_linear", "dare_ties"])
 @pytest.mark.parametrize("normalize", [False, True])
 @pytest.mark.parametrize("rescale", [None, True, "density", False])

@@ -7,6 +7,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import pytest
 from flax import nnx
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,7 @@ def test_set_partitions_counts_are_stirling_numbers():
     assert sorted(x for block in p for x in block) == items and len(p) == 3
 
 
+@pytest.mark.slow
 def test_micro_bench_writes_both_tables(tmp_path):
   cfg = ZooConfig.micro()
   model = LlamaForCausalLM(

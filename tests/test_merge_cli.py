@@ -79,6 +79,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", list(CASES))
 def test_method_matches_tree_function(ckpts, tmp_path, method):
   root, base, models = ckpts
@@ -249,6 +250,7 @@ def test_density_zero_writes_the_base(ckpts, tmp_path, method, extra):
     ),
   ],
 )
+@pytest.mark.slow
 def test_rescale_options_match_the_tree_function(ckpts, tmp_path, method, extra, tree_fn):
   root, base, models = ckpts
   got = _merge(root, method, tmp_path / "r", *extra)

@@ -40,6 +40,7 @@ def _pair(root, tied: bool, move_embeddings: bool = True):
   return ft, delta
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_grown_vocab_slot_matches_the_finetune(tmp_path, tied):
   ft, delta = _pair(tmp_path, tied)
@@ -88,6 +89,7 @@ def test_grown_vocab_needs_room(tmp_path):
     load_variant(none, 1, delta)
 
 
+@pytest.mark.slow
 def test_added_tokens_only_need_no_dense_bank(tmp_path):
   """A fine-tune that only added tokens (old rows unchanged) fits a model without per-slot
   dense embedding banks: the added rows go to the extra-vocabulary rows alone."""
@@ -106,6 +108,7 @@ def test_added_tokens_only_need_no_dense_bank(tmp_path):
   np.testing.assert_allclose(out[:, :V + ADDED], want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied,native", [(True, True), (False, True), (True, False)])
 def test_packed_embedding_delta_served_from_one_bit_banks(tmp_path, monkeypatch, tied, native):
   """A 1-bit embedding / LM-head delta with a per-token α (``PackedDelta`` in the ``[D, V]``
@@ -156,6 +159,7 @@ def jax_tree_np(pd):
   return jax.tree.map(np.asarray, pd)
 
 
+@pytest.mark.slow
 def test_packed_embedding_products_gradient_equals_the_reference():
   """The fused kernel's custom VJP (the reference's) against the reference differentiated
   directly: gradients w.r.t. the hidden states, the base logits and α."""

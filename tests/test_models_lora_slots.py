@@ -39,6 +39,7 @@ def setup(tmp_path_factory):
   return root, ids, peft_logits, base_sd, delta
 
 
+@pytest.mark.slow
 def test_lora_slot_matches_peft_and_mixes_with_bitdelta(setup):
   root, ids, peft_logits, base_sd, delta = setup
   model = from_pretrained(root / "base", dtype=jnp.float32, num_slots=3, lora_rank=8)

@@ -1,5 +1,5 @@
-"""Paged-KV continuous batching: parity with transformers and with the fixed-row generator,
-chunked prefill, prefix reuse, preemption, row/length buckets and mixed variants."""
+"""The engine's `Generator`: parity with transformers, chunked prefill, prefix reuse, preemption,
+row/length buckets, mixed variants, stops (ids, strings, length, context)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import model_fixtures
 import numpy as np
 import pytest
-from model_fixtures import hf_greedy
+from model_fixtures import hf_greedy, make_tokenizer_dir
 
 from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
 from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
 from bitdelta_jax.engine.kv_pages import PagePool, page_hashes
 from bitdelta_jax.engine.generator import Generator
 from bitdelta_jax.engine.sampling import SamplingParams
+from bitdelta_jax.models.tokenizer import Tokenizer
 
 RNG = np.random.RandomState(0)
 PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
@@ -23,6 +24,7 @@ PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
 hf_models = model_fixtures.hf_models
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 @pytest.mark.parametrize("preset", ["llama", "mistral_sliding"])
 def test_greedy_matches_transformers_with_chunks_and_pages(hf_models, preset, scan):
@@ -45,6 +47,7 @@ def llama_path(hf_models):
   return hf_models("llama")
 
 
+@pytest.mark.slow
 def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
   hf, path = llama_path
   gen = Generator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=48,
@@ -62,6 +65,7 @@ def test_prefix_reuse_gives_the_same_tokens_and_skips_pages(llama_path):
   assert again.tokens == first.tokens
 
 
+@pytest.mark.slow
 def test_preemption_when_pages_run_out_keeps_outputs(llama_path):
   hf, path = llama_path
   # 9 usable pages of 4 tokens = 36 tokens for 4 sequences that need up to 22 each
@@ -104,6 +108,7 @@ def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
   assert gen.shapes_run == {(4, False), (1, False)}  # a 3-token prompt, then 1-token steps
 
 
+@pytest.mark.slow
 def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
   hf, path = llama_path
   gen = Generator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,
@@ -125,6 +130,7 @@ def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
   assert long.generated[:4] == hf_greedy(hf, long_prompt, 4)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_per_request(llama_path):
   _, path = llama_path
   model = from_pretrained(path, jnp.float32)
@@ -138,6 +144,7 @@ def test_seeded_sampling_is_per_request(llama_path):
   assert mixed[3].tokens != alone
 
 
+@pytest.mark.slow
 def test_mixed_variants_in_one_batch_equal_their_applied_models(hf_models):
   _, path = hf_models("qwen2")
   model = from_pretrained(path, jnp.float32, num_slots=3, dense_embedding_slots=True)
@@ -203,12 +210,41 @@ def llama_model(llama_path):
 
 
 @pytest.fixture(scope="module")
-def gen(llama_model):
+def gen(llama_model, llama_path):
   """One engine for these tests (its compiled shapes are shared): pages of 4 tokens, prefill
-  chunks of 8, 4 rows."""
-  return Generator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8)
+  chunks of 8, 4 rows; a tokenizer for stop strings."""
+  tok = Tokenizer.from_dir(make_tokenizer_dir(llama_path[1] / "tok"))
+  return Generator(llama_model, max_rows=4, max_seq_len=48, page_size=4, prefill_chunk=8,
+                   tokenizer=tok)
 
 
+def test_stop_token_ids_and_max_new_tokens(gen):
+  full = gen.generate([PROMPTS[2]], params=SamplingParams(max_new_tokens=8))[0]
+  assert len(full.tokens) == 8 and full.finish_reason == "length"
+  stop = full.tokens[3]
+  first = full.tokens.index(stop)
+  res = gen.generate([PROMPTS[2]],
+                     params=SamplingParams(max_new_tokens=8, stop_token_ids=(stop,)))[0]
+  assert res.tokens == full.tokens[:first] and res.finish_reason == "stop"
+
+
+def test_stop_strings(gen):
+  full = gen.generate([PROMPTS[3]], params=SamplingParams(max_new_tokens=8))[0]
+  assert full.text == gen.tokenizer.decode(full.tokens)
+  words = full.text.split(" ")
+  stop = " ".join(words[3:5])
+  res = gen.generate([PROMPTS[3]], params=SamplingParams(max_new_tokens=8, stop_strings=(stop,)))[0]
+  assert res.finish_reason == "stop"
+  assert res.text == full.text[: full.text.find(stop)]
+  assert res.tokens == full.tokens[: len(res.tokens)] and len(res.tokens) <= 5
+
+
+def test_cache_length_limit(gen):
+  res = gen.generate([list(RNG.randint(3, 256, 30))], params=SamplingParams(max_new_tokens=40))[0]
+  assert res.finish_reason == "length" and 30 + len(res.tokens) == gen.max_seq_len
+
+
+@pytest.mark.slow
 def test_logprobs_and_prompt_logprobs_equal_a_full_forward(llama_model, gen):
   prompt = list(RNG.randint(3, 256, 19))  # 3 prefill chunks
   gen.generate([prompt], params=SamplingParams(max_new_tokens=2))  # its pages are now cached
@@ -236,6 +272,7 @@ def test_scoring_only_request_generates_nothing(gen):
   assert res[0].tokens == [] and res[0].finish_reason == "length"
 
 
+@pytest.mark.slow
 def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
   from bitdelta_jax.engine.batch import prng_key
 
@@ -264,6 +301,7 @@ def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
     assert s.generated == outs[i]
 
 
+@pytest.mark.slow
 def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model, gen):
   """Greedy decoding with the controls: every token is the argmax of the full-forward logits
   with the controls applied by numpy (tests/test_models_sampling.py's reference)."""
@@ -323,6 +361,7 @@ class EvenTokens:
     return self.n >= 4
 
 
+@pytest.mark.slow
 def test_grammar_mask_constrains_each_row_and_stops_it(gen):
 
   class Grammar:
@@ -352,6 +391,7 @@ def _run_group(gen, prompt, p, n):
   return [s.generated for s in group]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [1, 3, 4, 5, 9])  # 1, page_size - 1, page_size, ps + 1, 2 ps + 1
 def test_n_choices_fork_whatever_call_computes_the_leaders_last_prompt_token(gen, length):
   """Issue 24: a leader with one prompt token left to compute (a 1-token prompt, or a prompt

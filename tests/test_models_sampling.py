@@ -26,6 +26,7 @@ def draws(n=4000, **kw):
   return np.bincount(np.asarray(out), minlength=5) / n
 
 
+@pytest.mark.slow
 def test_greedy_top_k_top_p_supports():
   assert draws(temperature=0.0)[1] == 1.0
   assert set(np.flatnonzero(draws(top_k=2))) == {1, 2}
@@ -52,6 +53,7 @@ def test_params_are_validated():
     SamplingParams(logit_bias=tuple((i, 1.0) for i in range(400)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scale", [0.2, 1.0, 4.0, 12.0])
 def test_fast_sampler_equals_the_reference(scale):
   """Same tokens for the same keys: greedy, temperature only, top-k (below, at and above the
@@ -148,6 +150,7 @@ def numpy_controls(x: np.ndarray, c) -> np.ndarray:
   return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_controls_equal_numpy_and_fast_sampler_equals_reference(seed):
   from bitdelta_jax.engine.controls import apply_controls
@@ -175,6 +178,7 @@ def test_controls_equal_numpy_and_fast_sampler_equals_reference(seed):
   assert np.all(np.isfinite(want[np.arange(r), fast]))  # never a masked / -inf token
 
 
+@pytest.mark.slow
 def test_neutral_controls_change_nothing():
   from bitdelta_jax.engine.controls import LogitControls
 

@@ -97,6 +97,7 @@ def test_changed_embeddings_need_a_dense_bank(qwen):
     load_variant(model, 1, delta)
 
 
+@pytest.mark.slow
 def test_dense_embedding_slots_are_exact(hf_models):
   for preset in ("llama", "llama_linear_tied_bias"):
     _, path = hf_models(preset)

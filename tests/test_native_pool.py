@@ -40,7 +40,7 @@ def test_builds_are_keyed_on_the_shared_headers(monkeypatch, tmp_path):
   """Changing pool.h rebuilds every kernel (a stale library would disagree on its layout)."""
   src = tmp_path / "k.cc"
   src.write_text('#include "pool.h"\nextern "C" int Two() { return 2; }\n')
-  monkeypatch.setenv("BITDELTA_CACHE_DIR", str(tmp_path / "cache"))
+  monkeypatch.setenv("BITDELTA_CACHE", str(tmp_path / "cache"))
   lib, reason = native.build(src, "pool_key_test")
   assert lib is not None, reason
   assert lib.Two() == 2

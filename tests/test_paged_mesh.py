@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 WORKER = pathlib.Path(__file__).with_name("paged_mesh_worker.py")
 
 

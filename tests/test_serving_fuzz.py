@@ -21,6 +21,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 MODELS = ("base", "v0", "v1")
 ODD_TEXT = st.sampled_from(["", "\ud800", "a\udfffb", "\x00", "\u2028", "é" * 40, "</s>",
                             "x" * 300, "{{ raise }}", "<|im_start|>"])

@@ -130,6 +130,7 @@ def test_serve_flags_for_the_checks():
   assert not cfg.skip_bad_variants and cfg.verify_variants
 
 
+@pytest.mark.slow
 def test_skipped_variants_are_not_served_and_health_is_degraded(server):
   ids = {m["id"] for m in get(server, "/v1/models").json()["data"]}
   assert ids == {"base", "v0", "v1"}
@@ -179,6 +180,7 @@ IMPLEMENTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field,value", list(IMPLEMENTED.items()))
 @pytest.mark.parametrize("chat", [False, True])
 def test_implemented_parameters_are_accepted(server, field, value, chat):

@@ -20,6 +20,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import corrupt_arrays, synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 KEY = "test-key"
 H = {"Authorization": f"Bearer {KEY}"}
 VARIANTS = ["v0", "v1", "v2", "v3", "v4"]

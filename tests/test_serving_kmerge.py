@@ -29,6 +29,8 @@ from serving.config import ConfigError, ServerConfig  # noqa: E402
 from bitdelta_jax.engine.bank_options import Banks  # noqa: E402
 from serving.registry import Registry, RegistryError  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 PROMPTS = ["hello", "abc def", "1 2 3"]
 
 

@@ -30,6 +30,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 VARIANTS = ("v0", "v1", "v2", "v3")
 HEADER = [7 + (i * 37) % 250 for i in range(33)]  # token ids; prompts share its pages
 

@@ -22,6 +22,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 PROMPTS = ["hello", "The quick brown fox", "1 2 3"]
 
 

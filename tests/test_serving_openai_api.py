@@ -21,6 +21,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 openai = pytest.importorskip("openai")
 
 

@@ -21,6 +21,8 @@ from serving.app import ServerThread  # noqa: E402
 from serving.config import ServerConfig  # noqa: E402
 from serving.testing import synthetic_family  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 MC_TASK = """
 task: tiny_mc
 dataset_path: json

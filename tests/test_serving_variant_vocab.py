@@ -28,6 +28,8 @@ from serving.app import ServerThread
 from serving.config import ServerConfig
 from serving.testing import TINY, synthetic_family
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 ADDED = ["<think>", "</think>", "<a1>", "<a2>"]  # ids 261-264
 END = "<|end|>"  # id 265: the variant's EOS
 TEMPLATE = ("{% for m in messages %}<think>{{ m['content'] }}</think>{% endfor %}"

@@ -19,6 +19,8 @@ from jax.sharding import PartitionSpec as P
 from bitdelta_jax import sharding
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,

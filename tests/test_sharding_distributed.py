@@ -10,6 +10,8 @@ import pytest
 
 from bitdelta_jax.engine.multihost import runtime as distributed
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
 
 

@@ -20,6 +20,8 @@ from bitdelta_jax.zoo.evaluate import exact_match_and_nll
 from bitdelta_jax.zoo.tasks import TASKS
 from bitdelta_jax.zoo.tokenizer_build import EOS, build_tokenizer
 
+pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):

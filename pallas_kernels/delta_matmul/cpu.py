@@ -33,7 +33,7 @@ one row, else XLA's dot with f32 sums); the sum is cast to ``x.dtype``.
 Backend: host CPU only. The kernel is compiled on first use with the system ``g++``
 (``-O3 -march=native``; a persistent thread pool splits rows or columns once a call is big
 enough, ``$BITDELTA_CPU_THREADS`` caps it) and cached under ``~/.cache/bitdelta_jax``
-(override with ``$BITDELTA_CACHE_DIR``). With no compiler, `unavailable_reason()` says why and
+(``$BITDELTA_CACHE``: `pallas_kernels.cache.cache_root`). With no compiler, `unavailable_reason()` says why and
 `api.delta_matmul` falls back to the pure-XLA path.
 """
 
