@@ -21,6 +21,7 @@ import gc
 import os
 
 import pytest
+from model_fixtures import hf_models  # noqa: F401  (tiny HF models, session-wide)
 
 os.environ.setdefault("BITDELTA_COMPILE_CACHE", "0")
 

@@ -1,7 +1,8 @@
 """Tiny random HF models (transformers, PyTorch CPU) saved to tmp dirs, for the model tests.
 
-Import the fixtures into a test module (``from model_fixtures import hf_models``); pytest
-then finds them there. Models are built once per session and shared.
+The ``hf_models`` fixture reaches every test through tests/conftest.py; the helpers
+(``hf_greedy``, ``forward``, ``make_tokenizer_dir``, ...) are imported from here. Models are
+built once per session and shared.
 """
 
 from __future__ import annotations

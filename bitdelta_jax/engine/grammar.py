@@ -28,7 +28,7 @@ with incomplete JSON (``finish_reason: "length"``, as OpenAI does). Tokens at or
 tokenizer's vocabulary (a model's padded embedding rows) are never allowed.
 
 Costs (SmolLM2 tokenizer, 49,152 tokens, on a shared and busy 2-core CPU; printed by
-tests/test_models_grammar.py::test_timings_smollm2 with ``-s``):
+tests/engine/test_grammar.py::test_timings_smollm2 with ``-s``):
   * llguidance's view of a `Tokenizer`: 0.4-1.2 s, once per tokenizer object (`warm_up` it at
     server start);
   * compiling a schema (6 fields, enum, bounds, date-time): 1.5-4.5 ms; a cache hit ~0.1 ms

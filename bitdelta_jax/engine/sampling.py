@@ -26,7 +26,7 @@ row). `sample` is the fast form the engine runs inside its jitted step: greedy b
 argmax (the sampled branch is skipped by a ``lax.cond``); a filtered row finds its cut among its
 ``lax.top_k`` candidates (64, then 1024), falling back to the full sort only when its nucleus is
 wider than that; the draw itself is an exp and a blocked cumulative sum over V. Both give the
-same tokens for the same keys (tests/test_models_sampling.py).
+same tokens for the same keys (tests/engine/test_sampling.py).
 """
 
 from __future__ import annotations

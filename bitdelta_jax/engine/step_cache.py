@@ -23,7 +23,7 @@ of a deserialized executable: serialized again it holds the symbol names without
 (10.3 KB instead of 18.3 KB for a small test program), loads in another process and then fails
 its first run ("Function compare_convert_fusion not found"). Within the process that loaded it
 the symbols are still resident, which is why a test that saves and loads in one process cannot
-see it (tests/test_step_restarts.py runs each start in its own process). The engine also runs
+see it (tests/engine/test_step_cache_restarts.py runs each start in its own process). The engine also runs
 each program once on a padding batch before serving (`PagedRunner.compile_all`), so a bad
 entry that still gets through is recompiled at start, never met by a request.
 """

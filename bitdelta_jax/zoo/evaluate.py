@@ -4,7 +4,7 @@ Exact match is computed in one teacher-forced pass: greedy decoding reproduces t
 then stops on <eos>) exactly when the argmax at every answer position equals the answer token,
 given the correct prefix; the first position where it does not is where greedy output diverges.
 So ``all(argmax == target)`` over the answer and <eos> is greedy exact match, without decoding
-(ties in the argmax aside). `tests/test_zoo.py` checks this against `Generator`.
+(ties in the argmax aside). `tests/zoo/test_zoo.py` checks this against `Generator`.
 """
 
 from __future__ import annotations

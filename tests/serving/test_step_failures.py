@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 import requests
-from model_fixtures import hf_greedy, hf_models  # noqa: F401
+from model_fixtures import hf_greedy
 
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.engine.generator import Generator

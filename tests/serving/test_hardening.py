@@ -172,7 +172,7 @@ UNSUPPORTED = {
   "functions": [{"name": "f"}], "function_call": {"name": "f"}, "best_of": 3, "suffix": "end", "min_p": 0.1, "use_beam_search": True,
   "guided_json": {"type": "object"}, "modalities": ["text", "audio"],
 }
-# implemented since issue 13 (tests/test_serving_openai_api.py checks what they do)
+# implemented since issue 13 (tests/serving/test_openai_api.py checks what they do)
 IMPLEMENTED = {
   "response_format": {"type": "json_object"}, "presence_penalty": 0.5,
   "frequency_penalty": -1, "logit_bias": {"5": 10}, "logprobs": True, "top_logprobs": 2,

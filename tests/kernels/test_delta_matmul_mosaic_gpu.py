@@ -334,7 +334,7 @@ _SHARD_MAP_SCRIPT = textwrap.dedent(
 
 def test_lowers_inside_shard_map_over_8_devices():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  root = pathlib.Path(__file__).resolve().parent.parent
+  root = pathlib.Path(__file__).resolve().parents[2]
   proc = subprocess.run(
     [sys.executable, "-c", _SHARD_MAP_SCRIPT],
     capture_output=True,

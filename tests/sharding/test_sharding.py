@@ -1,6 +1,6 @@
 """bitdelta_jax.sharding: rules and the per-shard delta matmul in-process (1 device); sharded
 prefill/decode/generation and restore with 8 simulated CPU devices in a subprocess
-(tests/sharding_worker.py), since the device count is fixed when jax starts."""
+(tests/sharding/sharding_worker.py), since the device count is fixed when jax starts."""
 
 from __future__ import annotations
 

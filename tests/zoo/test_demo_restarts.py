@@ -8,7 +8,7 @@ requests reach every token bucket (prompts of 1 to 17 tokens with a prefill chun
 chunked 40-token prompt), and ask for ``n: 2`` on the 1-token prompt ``[42]``, ``logprobs`` and a
 JSON schema, for the base and a variant. (The old failure: a program that JAX's cache returned,
 saved again, loaded in the next process and failed its first run with a 500; that sequence is
-replayed in tests/test_step_cache_restarts.py.)
+replayed in tests/engine/test_step_cache_restarts.py.)
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ def test_from_pretrained_logits_match_transformers(real_dir, hf_gguf_model, prom
 
   The difference is f32 rounding over 30 layers: relative to the largest logit (|logit| ≈ 37
   here, where one f32 ulp is 3.8e-6) it is ~4e-6, and transformers' own f32 logits are 5e-5
-  away from its f64 ones. tests/test_models_llama.py's 1e-4 absolute is set on tiny random
+  away from its f64 ones. tests/models/test_llama.py's 1e-4 absolute is set on tiny random
   models whose logits are below 1, so it is applied here relative to the largest logit.
   """
   from bitdelta_jax.models import from_pretrained

@@ -21,7 +21,6 @@ from bitdelta_jax.models.tokenizer import Tokenizer
 RNG = np.random.RandomState(0)
 PROMPTS = [list(RNG.randint(3, 256, n)) for n in (3, 9, 14, 5, 11)]
 
-hf_models = model_fixtures.hf_models
 
 
 @pytest.mark.slow
@@ -304,7 +303,7 @@ def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
 @pytest.mark.slow
 def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model, gen):
   """Greedy decoding with the controls: every token is the argmax of the full-forward logits
-  with the controls applied by numpy (tests/test_models_sampling.py's reference)."""
+  with the controls applied by numpy (tests/engine/test_sampling.py's reference)."""
   from test_models_sampling import numpy_controls
 
   from bitdelta_jax.engine.controls import LogitControls

@@ -1,6 +1,6 @@
-"""Subprocess side of tests/test_sharding.py: runs with N simulated CPU devices.
+"""Subprocess side of tests/sharding/test_sharding.py: runs with N simulated CPU devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding_worker.py \
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/sharding_worker.py \
         equivalence|restore OUT.json [--meshes 1x8 2x4 8x1]
 
 The flag must be set before jax starts, which is why this is a separate process (the pytest
@@ -19,7 +19,7 @@ import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

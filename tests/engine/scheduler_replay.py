@@ -11,7 +11,7 @@ wrong whenever a plan is.
 
 `run_scenarios()` runs each scenario and checks the tokens against `expected`, computed from
 the prompts alone. Run as a script, it first makes importing jax, jaxlib or flax fail, so the
-scheduler is shown to plan without JAX (tests/test_scheduler_plans.py runs both ways).
+scheduler is shown to plan without JAX (tests/engine/test_scheduler_plans.py runs both ways).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The paged engine on a device mesh gives what it gives on one device (issue 18, part 3).
 
-8 simulated CPU devices in a subprocess (tests/paged_mesh_worker.py): the same mixed batch on
+8 simulated CPU devices in a subprocess (tests/engine/paged_mesh_worker.py): the same mixed batch on
 one device and on 1x8 and 2x4 ``(data, model)`` meshes. Greedy tokens must be equal; log
 probabilities equal to f32 rounding (a row-parallel layer sums its shards' partial products in
 another order than one device does).

@@ -5,7 +5,7 @@ max_completion_tokens, and structured output (json_object, json_schema).
 
 Values are checked against an independent computation: the model's full forward
 (``LlamaForCausalLM.__call__`` on prompt + output) with a numpy log-softmax, and for the controls
-the numpy reference of tests/test_models_sampling.py.
+the numpy reference of tests/engine/test_sampling.py.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 import pytest
-from model_fixtures import hf_greedy, hf_models  # noqa: F401
+from model_fixtures import hf_greedy
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import merge_bench  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
 
 import cpu_decode_bench as bench  # noqa: E402
 

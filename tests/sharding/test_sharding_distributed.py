@@ -1,6 +1,6 @@
 """bitdelta_jax.engine.multihost.runtime: its flags. The step watchdog (`LeaderRunner`) and two real processes over one
 global mesh (the same answers as one device; a dead worker gives 503s) are tested through the
-server in tests/test_serving_multihost.py."""
+server in tests/serving/test_multihost.py."""
 
 from __future__ import annotations
 

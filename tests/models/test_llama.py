@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import jax.numpy as jnp
-import model_fixtures
 import numpy as np
 import pytest
 from model_fixtures import PRESETS, forward, hf_logits, make_hf_model
@@ -16,7 +15,6 @@ from bitdelta_jax.models.layers import SlotBank
 
 IDS = np.random.RandomState(0).randint(0, 256, (2, 14))
 
-hf_models = model_fixtures.hf_models  # the session fixture, visible to pytest here
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

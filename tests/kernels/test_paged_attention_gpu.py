@@ -32,7 +32,7 @@ from pallas_kernels.paged_attention.api import unavailable_reason
 from pallas_kernels.platform import override, target_platform
 
 CUSTOM_CALL = "mosaic_gpu_v2"  # the call target of a Mosaic GPU kernel in the lowered module
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _lanes(rng, lens, *, ps, num_pages, width):

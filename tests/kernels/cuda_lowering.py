@@ -12,9 +12,9 @@ convert, compare, select) of the module whose operand is an 8-bit tensor at leas
 one packed weight matrix. A dense ``W_eff`` of a variant cannot be formed from the bits
 without such ops, and the bits are the only 8-bit tensors of that size in a step.
 
-Run as a script (``python tests/cuda_lowering.py MESH CONFIG``, with
+Run as a script (``python tests/kernels/cuda_lowering.py MESH CONFIG``, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``) it lowers over a device mesh and prints
-one JSON line per program (tests/test_cuda_lowering.py).
+one JSON line per program (tests/kernels/test_cuda_lowering.py).
 """
 
 from __future__ import annotations

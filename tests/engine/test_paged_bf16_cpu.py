@@ -10,7 +10,7 @@ in-place write (or a parameter, tuple, bitcast).
 
 Tolerance (bf16 outputs): judged against the f32 computation of the same bf16 weights, within
 1.5x the error of XLA's own bf16 path (reference attention and scatter), as
-`tests/test_models_bf16_cpu.py` does.
+`tests/models/test_bf16_cpu.py` does.
 """
 
 from __future__ import annotations

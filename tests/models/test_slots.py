@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import model_fixtures
 import numpy as np
 import pytest
 from flax import nnx
@@ -18,7 +17,6 @@ from bitdelta_jax.models.slots import clear_slot, load_variant
 
 IDS = np.random.RandomState(0).randint(0, 256, (3, 10))
 
-hf_models = model_fixtures.hf_models  # the session fixture, visible to pytest here
 
 
 def finetune(base, seed, *, embeddings=False, scale=0.01):

@@ -1,6 +1,6 @@
-"""Subprocess side of tests/test_paged_mesh.py: the paged engine on 8 simulated CPU devices.
+"""Subprocess side of tests/engine/test_data_groups_and_mesh.py: the paged engine on 8 simulated CPU devices.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/paged_mesh_worker.py OUT.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/engine/paged_mesh_worker.py OUT.json
 
 Runs one mixed batch (base, two 1-bit variants, one of them with changed embeddings and norms,
 a LoRA; n=2, log probabilities, prompt log probabilities, penalties and bias, a token mask, a
@@ -20,7 +20,7 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 from bitdelta_jax.kmerge import KMergePool, PoolConfig
 from bitdelta_jax.merge.lora import from_factors
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
