@@ -38,12 +38,12 @@ def _family():
 def sweep_vs_step(rounds: int) -> list[dict]:
   import jax.numpy as jnp
 
-  from bitdelta_jax.models import from_pretrained
-  from bitdelta_jax.engine.generator import Generator
-  from bitdelta_jax.engine.sampling import SamplingParams
-  from serving.config import ServerConfig
   from bitdelta_jax.engine.engine import Engine
+  from bitdelta_jax.engine.generator import Generator
   from bitdelta_jax.engine.request import Request
+  from bitdelta_jax.engine.sampling import SamplingParams
+  from bitdelta_jax.models import from_pretrained
+  from serving.config import ServerConfig
   from serving.metrics import Metrics
 
   base, _ = _family()

@@ -110,8 +110,8 @@ def sampler_alone(base: pathlib.Path, rows: int, calls: int = 40, rounds: int = 
   import jax.numpy as jnp
   import numpy as np
 
-  from bitdelta_jax.engine.controls import LogitControls, logprobs_of
   from bitdelta_jax.engine.batch import fill_masks
+  from bitdelta_jax.engine.controls import LogitControls, logprobs_of
   from bitdelta_jax.engine.request import Request
   from bitdelta_jax.engine.sampling import sample
   from bitdelta_jax.models.tokenizer import Tokenizer
@@ -175,8 +175,8 @@ def engine_steps(base: pathlib.Path, rows: int, tokens: int, rounds: int = 3) ->
   the smallest over rounds (the machine is shared)."""
   import jax.numpy as jnp
 
-  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.engine.generator import Generator
+  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   tok = Tokenizer.from_dir(base)

@@ -42,9 +42,9 @@ def main() -> None:
   ap.add_argument("--max-seq-len", type=int, default=512)
   args = ap.parse_args()
   from bitdelta_jax.delta.store import load_delta
-  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.engine.generator import Generator
   from bitdelta_jax.engine.sampling import SamplingParams
+  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.zoo import shipped_family
 
   base, variants = shipped_family()

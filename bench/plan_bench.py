@@ -28,11 +28,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bitdelta_jax.engine.multihost import codec as step_plan  # noqa: E402
-from bitdelta_jax.models.config import ModelConfig  # noqa: E402
 from bitdelta_jax.engine.generator import Generator  # noqa: E402
-from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.engine.multihost import codec as step_plan  # noqa: E402
 from bitdelta_jax.engine.multihost.channel import PlanReceiver, PlanSender  # noqa: E402
+from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
+from bitdelta_jax.models.config import ModelConfig  # noqa: E402
 
 VOCAB, MAX_SEQ, PAGE = 49152, 2048, 16
 

@@ -168,11 +168,11 @@ def swap_baseline(base: pathlib.Path, variants: dict, models: list[str], prompts
   from flax import nnx
 
   from bitdelta_jax.delta.stream import apply_checkpoint
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
   from bitdelta_jax.engine import Generator
+  from bitdelta_jax.engine.sampling import SamplingParams
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
   from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.models.loading import hf_name
-  from bitdelta_jax.engine.sampling import SamplingParams
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   full = {}

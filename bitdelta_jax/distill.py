@@ -30,7 +30,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from bitdelta_jax.delta.entries import DeltaMismatchError
+from bitdelta_jax.delta.entries import DeltaMismatchError, LoraEntry, ResidualEntry
 from bitdelta_jax.delta.format import PackedDelta
 from bitdelta_jax.delta.residual import CodedLora, lora_rank_of, recode
 from bitdelta_jax.delta.store import load_delta, update_entries
@@ -38,7 +38,6 @@ from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.layers import SlotBank
 from bitdelta_jax.models.loading import from_tensors, load_config
-from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.models.slots import load_variant
 
 SLOT = 1

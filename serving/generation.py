@@ -26,10 +26,10 @@ import time
 
 from aiohttp import web
 
+from bitdelta_jax.engine.request import Event, Request
 from serving import protocol as P
 from serving.cache import LoadError
 from serving.choices import Choices
-from bitdelta_jax.engine.request import Event, Request
 from serving.openai_params import Controls, check_budget, controls_of
 from serving.router import UnknownModel
 from serving.tools import tool_plan

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.delta.residual import (
   CODE_WIDTHS,
   FLOAT_DTYPES,
@@ -29,7 +30,6 @@ from bitdelta_jax.delta.residual import (
   pack_codes,
   unpack_codes,
 )
-from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 
 
 def is_low_rank(entry) -> bool:

@@ -45,8 +45,8 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from bitdelta_jax.delta.format import DEFAULT_GROUP_K, PackedDelta, pack
 from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
+from bitdelta_jax.delta.format import DEFAULT_GROUP_K, PackedDelta, pack
 
 MODES: tuple[str, ...] = ("bitdelta", "dqrelo", "svd", "delta-come")
 CODE_WIDTHS: tuple[int, ...] = (2, 4, 8)

@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from bitdelta_jax.delta.entries import DeltaMismatchError, Dense, Entry
-from bitdelta_jax.delta.entries import LAYOUT, PackedDelta
+from bitdelta_jax.delta.entries import LAYOUT, DeltaMismatchError, Dense, Entry, PackedDelta
 from bitdelta_jax.delta.report import Report
 from bitdelta_jax.outputs import MARKER, OutputDir
 

@@ -33,7 +33,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-
 from typing import TYPE_CHECKING
 
 from bitdelta_jax.engine.bank_options import Banks

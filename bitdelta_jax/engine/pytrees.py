@@ -16,8 +16,8 @@ import jax
 @functools.cache
 def register_step_data() -> None:
   """Idempotent: registers each type once, every field a data field."""
-  from bitdelta_jax.engine.logit_controls import LogitControls
   from bitdelta_jax.engine.batch import PagedBatch, StepOutput
+  from bitdelta_jax.engine.logit_controls import LogitControls
 
   for cls in (LogitControls, PagedBatch, StepOutput):
     jax.tree_util.register_dataclass(

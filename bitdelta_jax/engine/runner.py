@@ -46,14 +46,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.engine import step_cache
-from bitdelta_jax.engine.controls import LogitControls, logprobs_of
-from bitdelta_jax.models.llama import stack_layers
-from bitdelta_jax.engine.mesh_layout import MeshLayout
 from bitdelta_jax.engine.batch import PagedBatch, StepOutput, StepShapes
+from bitdelta_jax.engine.controls import LogitControls, logprobs_of
+from bitdelta_jax.engine.mesh_layout import MeshLayout
 from bitdelta_jax.engine.pytrees import register_step_data
 from bitdelta_jax.engine.sampling import row_keys, sample
+from bitdelta_jax.models import slots as slots_lib
+from bitdelta_jax.models.llama import stack_layers
 
 register_step_data()
 log = logging.getLogger("bitdelta_jax.paged_runner")

@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bitdelta_jax.engine.pytrees import register_step_data
 from bitdelta_jax.models.config import ModelConfig
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-from bitdelta_jax.engine.pytrees import register_step_data
 
 register_step_data()  # forward_paged reads a PagedBatch
 

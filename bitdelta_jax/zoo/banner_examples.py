@@ -20,9 +20,9 @@ def answer_chat(base_dir: Path, variants: dict[str, Path], prompts: dict[str, li
   """Greedy answers of each variant (its delta in its own slot, all in one engine) to its
   prompts sent as one user chat message each."""
   from bitdelta_jax.delta.store import load_delta
-  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.engine.generator import Generator
   from bitdelta_jax.engine.sampling import SamplingParams
+  from bitdelta_jax.models import from_pretrained
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   names = list(prompts)

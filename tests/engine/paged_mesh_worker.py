@@ -27,13 +27,15 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from bitdelta_jax import sharding  # noqa: E402
-from bitdelta_jax.delta.entries import Dense  # noqa: E402
+from bitdelta_jax.delta.entries import (
+  Dense,  # noqa: E402
+  LoraEntry,  # noqa: E402
+)
 from bitdelta_jax.delta.format import PackedDelta, packed_rows  # noqa: E402
-from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
 from bitdelta_jax.engine.generator import Generator  # noqa: E402
-from bitdelta_jax.engine.stops import check_stop  # noqa: E402
 from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
-from bitdelta_jax.delta.entries import LoraEntry  # noqa: E402
+from bitdelta_jax.engine.stops import check_stop  # noqa: E402
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
 from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
 
 # 4 kv heads: split over model=4 (2x4), replicated on model=8 (1x8); hidden 512 keeps o_proj

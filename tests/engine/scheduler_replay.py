@@ -137,8 +137,8 @@ def make(num_pages=64, page_size=4, max_rows=4, max_seq_len=64, prefill_chunk=8,
 def drive(gen, requests, max_steps=500):
   """requests: (prompt, slot, n, max_new). Runs to completion; returns each choice's tokens
   (keyed (request, choice)) and checks that every page is free again."""
-  from bitdelta_jax.engine.stops import check_stop
   from bitdelta_jax.engine.sampling_params import SamplingParams
+  from bitdelta_jax.engine.stops import check_stop
 
   out = {}
   for r, (prompt, slot, n, max_new) in enumerate(requests):

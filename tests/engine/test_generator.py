@@ -12,10 +12,10 @@ import pytest
 from model_fixtures import hf_greedy, make_tokenizer_dir
 
 from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
-from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
-from bitdelta_jax.engine.kv_pages import PagePool, page_hashes
 from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.kv_pages import PagePool, page_hashes
 from bitdelta_jax.engine.sampling import SamplingParams
+from bitdelta_jax.models import base_tensors, from_pretrained, from_tensors
 from bitdelta_jax.models.tokenizer import Tokenizer
 
 RNG = np.random.RandomState(0)

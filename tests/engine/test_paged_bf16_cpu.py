@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 from pallas_kernels.paged_attention import api, cpu
 
 pytestmark = pytest.mark.skipif(

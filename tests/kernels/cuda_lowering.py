@@ -71,10 +71,10 @@ def custom_calls(text: str) -> dict[str, int]:
 def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots: int = 3):
   from flax import nnx
 
-  from bitdelta_jax.models.config import ModelConfig
-  from bitdelta_jax.models.llama import LlamaForCausalLM
   from bitdelta_jax.engine.batch import StepShapes
   from bitdelta_jax.engine.runner import PagedRunner
+  from bitdelta_jax.models.config import ModelConfig
+  from bitdelta_jax.models.llama import LlamaForCausalLM
 
   cfg = ModelConfig.from_hf_dict(CONFIGS[config], num_slots=num_slots)
   if delta_implementation is not None:

@@ -75,8 +75,8 @@ def test_lora_errors(setup):
 def test_residual_entry_serves_packed_plus_low_rank(setup):
   """A `ResidualEntry` (1-bit + low-rank) in a slot equals the base plus the dense sum of both,
   computed in numpy, in one batch with a plain 1-bit variant and the base."""
-  from bitdelta_jax.delta.format import dense_delta
   from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
+  from bitdelta_jax.delta.format import dense_delta
 
   root, ids, _, base_sd, delta = setup
   rng = np.random.default_rng(5)

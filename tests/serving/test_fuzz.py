@@ -17,8 +17,6 @@ import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -86,13 +84,10 @@ def bodies(draw):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, serve):
   base, deltas = synthetic_family(tmp_path_factory.mktemp("fuzz"), n=2)
-  cfg = ServerConfig(base=str(base), base_name="base", port=0,
-                     variants=tuple((n, str(p)) for n, p in deltas.items()), device_slots=2,
-                     max_batch=4, max_seq_len=48, default_max_tokens=4,
-                     warmup=False)
-  with ServerThread(cfg) as h:
+  with serve(base, deltas, device_slots=2, max_batch=4, max_seq_len=48, default_max_tokens=4,
+             warmup=False) as h:
     yield h
 
 

@@ -16,8 +16,6 @@ import aiohttp
 import pytest
 import requests
 
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import corrupt_arrays, synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -38,18 +36,11 @@ def family(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(family):
+def server(family, serve):
   base, deltas, _, broken = family
-  one_delta = sum(p.stat().st_size for p in deltas["v0"].rglob("*") if p.is_file())
-  cfg = ServerConfig(
-    base=str(base), base_name="base", port=0, api_key=KEY,
-    variants=tuple((n, str(d)) for n, d in deltas.items()) + (("broken", str(broken)),),
-    device_slots=3, pins=("v3",), host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4,
-    max_seq_len=64, default_max_tokens=16, load_retry_s=0.5,
-    max_body_bytes=64 * 1024,
-  )
-  assert one_delta > 0
-  with ServerThread(cfg) as h:
+  with serve(base, {**deltas, "broken": broken}, api_key=KEY, device_slots=3, pins=("v3",),
+             host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4, max_seq_len=64,
+             default_max_tokens=16, load_retry_s=0.5, max_body_bytes=64 * 1024) as h:
     corrupt_arrays(broken)  # passed the start-up checks; its first load finds it corrupt
     yield h
 

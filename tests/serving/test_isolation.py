@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import requests
 
+from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.delta.store import load_delta
 from bitdelta_jax.merge.lora import CONFIG_FILE, from_factors, load_adapter, save_adapter
-from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.models.slots import lora_entries
 from serving.app import BadVariantsError, ServerThread
 from serving.config import ServerConfig

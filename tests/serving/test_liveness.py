@@ -26,8 +26,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -37,13 +35,10 @@ HEADER = [7 + (i * 37) % 250 for i in range(33)]  # token ids; prompts share its
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, serve):
   base, deltas = synthetic_family(tmp_path_factory.mktemp("liveness"), n=len(VARIANTS))
-  cfg = ServerConfig(base=str(base), base_name="base", port=0,
-                     variants=tuple((n, str(p)) for n, p in deltas.items()), device_slots=2,
-                     max_batch=8, max_seq_len=96, default_max_tokens=6, warmup=False,
-                     stall_timeout_s=1.5, delete_grace_s=0.5)
-  with ServerThread(cfg) as h:
+  with serve(base, deltas, device_slots=2, max_batch=8, max_seq_len=96, default_max_tokens=6,
+             warmup=False, stall_timeout_s=1.5, delete_grace_s=0.5) as h:
     yield h
 
 

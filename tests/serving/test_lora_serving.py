@@ -11,15 +11,13 @@ import requests
 
 from bitdelta_jax.delta.compress import apply_delta
 from bitdelta_jax.delta.store import load_delta
+from bitdelta_jax.engine import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.merge.lora import apply_adapter, from_factors, save_adapter
-from bitdelta_jax.engine import Generator
 from bitdelta_jax.models import from_tensors
 from bitdelta_jax.models.loading import load_config
-from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.models.tokenizer import Tokenizer
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -28,7 +26,7 @@ PROMPTS = ["hello", "The quick brown fox", "1 2 3"]
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, serve):
   root = tmp_path_factory.mktemp("lora_family")
   base, deltas = synthetic_family(root, n=1)
   with CheckpointReader(base) as r:
@@ -41,10 +39,8 @@ def setup(tmp_path_factory):
                      rng.standard_normal((out_f, 4)).astype(np.float32) * 0.3)
   adapter = from_factors(factors)
   save_adapter(adapter, root / "adapter")
-  cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=4, max_seq_len=64,
-                     device_slots=2,
-                     variants=(("bd", str(deltas["v0"])), ("lora", str(root / "adapter"))))
-  with ServerThread(cfg) as h:
+  with serve(base, {"bd": deltas["v0"], "lora": root / "adapter"}, max_batch=4, max_seq_len=64,
+             device_slots=2) as h:
     yield h, base, tensors, deltas["v0"], adapter
 
 

@@ -25,8 +25,8 @@ import time
 import pytest
 import requests
 
-from bitdelta_jax.engine.multihost.runtime import WorkerLost
 from bitdelta_jax.engine.multihost import leader as multihost
+from bitdelta_jax.engine.multihost.runtime import WorkerLost
 from serving.app import ServerThread
 from serving.cli import add_demo_parser, add_serve_parsers, config_from_args
 from serving.config import ConfigError, ServerConfig
@@ -77,8 +77,8 @@ def test_distributed_flags_and_config(tmp_path):
 def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
   import numpy as np
 
-  from bitdelta_jax.engine.multihost import codec as step_plan
   from bitdelta_jax.engine.controls import LogitControls
+  from bitdelta_jax.engine.multihost import codec as step_plan
 
   rng = np.random.default_rng(0)
   empty = _shapes().empty(8)  # a ragged batch of 8 tokens, 4 lanes and outputs

@@ -17,8 +17,6 @@ import model_fixtures
 import numpy as np
 import pytest
 
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -33,12 +31,10 @@ def family(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(family):
+def server(family, serve):
   base, deltas = family
-  cfg = ServerConfig(base=str(base), base_name="base", port=0, max_batch=8, max_seq_len=160,
-                     default_max_tokens=8,
-                     variants=(("v0", str(deltas["v0"])),), device_slots=1)
-  with ServerThread(cfg) as h:
+  with serve(base, {"v0": deltas["v0"]}, max_batch=8, max_seq_len=160, default_max_tokens=8,
+             device_slots=1) as h:
     yield h
 
 

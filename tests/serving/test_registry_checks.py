@@ -5,8 +5,8 @@ import pytest
 
 from bitdelta_jax.delta.compress import CompressPolicy
 from bitdelta_jax.delta.stream import compress_checkpoints
-from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
 from bitdelta_jax.engine.bank_options import Banks
+from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
 from serving.registry import Registry, RegistryError
 from serving.testing import TINY
 

@@ -19,11 +19,9 @@ import pytest
 import requests
 from model_fixtures import hf_greedy
 
-from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.engine.generator import Generator
 from bitdelta_jax.engine.sampling import SamplingParams
-from serving.app import ServerThread
-from serving.config import ServerConfig
+from bitdelta_jax.models import from_pretrained
 from serving.testing import synthetic_family
 
 
@@ -88,11 +86,10 @@ def test_recover_fails_the_steps_sequences_and_recomputes_the_others(llama):
 
 
 # -- the server's side ---------------------------------------------------------------------------
-def config(root, **kw) -> ServerConfig:
+def start(serve, root, **kw):
   base, deltas = synthetic_family(root, n=2)
-  return ServerConfig(base=str(base), base_name="base", port=0, device_slots=2, max_batch=4,
-                      max_seq_len=96, default_max_tokens=6, warmup=False,
-                      variants=tuple((n, str(p)) for n, p in deltas.items()), **kw)
+  return serve(base, deltas, device_slots=2, max_batch=4, max_seq_len=96, default_max_tokens=6,
+               warmup=False, **kw)
 
 
 def post(h, model: str, prompt: str = "abc"):
@@ -110,8 +107,8 @@ def inject(h, times: int):
 
 
 @pytest.mark.slow
-def test_a_failed_step_fails_its_request_and_the_next_is_served(tmp_path_factory):
-  with ServerThread(config(tmp_path_factory.mktemp("fail-once"))) as h:
+def test_a_failed_step_fails_its_request_and_the_next_is_served(tmp_path_factory, serve):
+  with start(serve, tmp_path_factory.mktemp("fail-once")) as h:
     want = {m: post(h, m).json()["choices"][0]["text"] for m in ("base", "v0", "v1")}
     inject(h, 1)
     r = post(h, "v0")
@@ -133,8 +130,8 @@ def test_a_failed_step_fails_its_request_and_the_next_is_served(tmp_path_factory
 
 
 @pytest.mark.slow
-def test_repeated_failures_stop_the_engine(tmp_path_factory):
-  with ServerThread(config(tmp_path_factory.mktemp("fail-always"), max_step_failures=2)) as h:
+def test_repeated_failures_stop_the_engine(tmp_path_factory, serve):
+  with start(serve, tmp_path_factory.mktemp("fail-always"), max_step_failures=2) as h:
     assert post(h, "base").status_code == 200
     inject(h, -1)
     first = post(h, "v1")

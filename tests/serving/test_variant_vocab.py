@@ -24,8 +24,6 @@ from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints
 from bitdelta_jax.models import from_pretrained, load_variant
 from bitdelta_jax.models.tokenizer import Tokenizer
 from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
-from serving.app import ServerThread
-from serving.config import ServerConfig
 from serving.testing import TINY, synthetic_family
 
 pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
@@ -96,12 +94,10 @@ def _reference(base_dir, grown_dir, prompt_ids, max_new):
 
 
 @pytest.fixture(scope="module")
-def server(family):
+def server(family, serve):
   base_dir, v0, grown_dir, _, _ = family
-  cfg = ServerConfig(base=str(base_dir), base_name="base", port=0, device_slots=2, max_batch=4,
-                     max_seq_len=256, default_max_tokens=24, warmup=False,
-                     variants=(("v0", str(v0)), ("grown", str(grown_dir))))
-  with ServerThread(cfg) as h:
+  with serve(base_dir, {"v0": v0, "grown": grown_dir}, device_slots=2, max_batch=4,
+             max_seq_len=256, default_max_tokens=24, warmup=False) as h:
     yield h
 
 
@@ -125,17 +121,15 @@ def test_served_variant_uses_its_tokenizer_stop_token_and_added_rows(family, ser
   assert r.json()["usage"]["completion_tokens"] == len(want_ids)
 
 
-def test_a_mesh_server_serves_the_added_tokens_too(family):
+def test_a_mesh_server_serves_the_added_tokens_too(family, serve):
   """The sharded restore builds the added-token banks (replicated) and the mesh engine gives
   the single-device answer (a 1x1 mesh: the path every mesh takes; 8 devices in
   test_paged_mesh)."""
   base_dir, v0, grown_dir, _, _ = family
   tok = Tokenizer.from_dir(grown_dir / "tokenizer")
   want_ids, want_text, want_reason = _reference(base_dir, grown_dir, tok.encode(PROMPT), 24)
-  cfg = ServerConfig(base=str(base_dir), base_name="base", port=0, device_slots=2, max_batch=4,
-                     max_seq_len=256, default_max_tokens=24, warmup=False,
-                     mesh="data=1,model=1", variants=(("grown", str(grown_dir)),))
-  with ServerThread(cfg) as h:
+  with serve(base_dir, {"grown": grown_dir}, device_slots=2, max_batch=4, max_seq_len=256,
+             default_max_tokens=24, warmup=False, mesh="data=1,model=1") as h:
     r = post(h, "/v1/completions", {"model": "grown", "prompt": PROMPT, "max_tokens": 24,
                                     "temperature": 0})
   assert r.status_code == 200, r.text
@@ -168,14 +162,12 @@ def test_an_added_token_id_is_valid_only_for_its_variant(server):
   assert r.status_code == 400 and "266" in r.json()["error"]["message"]
 
 
-def test_a_variant_adding_more_tokens_than_the_slots_hold_is_refused(family, tmp_path):
+def test_a_variant_adding_more_tokens_than_the_slots_hold_is_refused(family, tmp_path, serve):
   base_dir, v0, grown_dir, _, _ = family
   from serving.app import BadVariantsError
 
-  cfg = ServerConfig(base=str(base_dir), base_name="base", port=0, warmup=False, extra_vocab=1,
-                     variants=(("grown", str(grown_dir)),))
   with pytest.raises(BadVariantsError, match="adds 2 tokens.*room for 1.*--extra-vocab 2"):
-    with ServerThread(cfg):
+    with serve(base_dir, {"grown": grown_dir}, warmup=False, extra_vocab=1):
       pass
 
 

@@ -11,8 +11,8 @@ from bitdelta_jax.cli import main
 from bitdelta_jax.delta.format import PackedDelta
 from bitdelta_jax.delta.store import load_delta, read_manifest
 from bitdelta_jax.engine import Generator
-from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.engine.sampling import SamplingParams
+from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.slots import load_variant
 from bitdelta_jax.zoo import shipped_family
 from bitdelta_jax.zoo.data import encode_prompt

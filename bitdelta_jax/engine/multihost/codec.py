@@ -166,8 +166,8 @@ def batch_fields(batch, base_only: bool) -> dict[str, object]:
 
 def batch_of(fields: Mapping[str, object]):
   """(`PagedBatch`, base_only) from `batch_fields`' output."""
-  from bitdelta_jax.engine.controls import LogitControls
   from bitdelta_jax.engine.batch import PagedBatch
+  from bitdelta_jax.engine.controls import LogitControls
 
   ctl = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("controls.")}
   names = [f.name for f in dataclasses.fields(PagedBatch) if f.name != "controls"]

@@ -50,8 +50,8 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.engine.multihost.runtime import WorkerLost
 from bitdelta_jax.engine.multihost import codec as step_plan
+from bitdelta_jax.engine.multihost.runtime import WorkerLost
 
 log = logging.getLogger("bitdelta_jax.engine.multihost.leader")
 
@@ -239,8 +239,8 @@ def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
   """Process 0: hands ``build`` (the model options) and the plan channel to every process and
   waits for the followers to connect; returns the `PlanSender`. Call it before any
   computation on the mesh (where the followers start `run_follower`)."""
-  from bitdelta_jax.engine.multihost.runtime import broadcast_json
   from bitdelta_jax.engine.multihost.channel import PlanSender
+  from bitdelta_jax.engine.multihost.runtime import broadcast_json
 
   sender = PlanSender(cfg.num_processes - 1)
   broadcast_json({"build": build, "port": sender.port, "token": sender.token.hex()},
@@ -255,10 +255,10 @@ def run_follower(cfg) -> int:
   Call after `bitdelta_jax.engine.multihost.runtime.initialize`. Returns 0 on ``stop``, 1 when the channel
   to process 0 fails (process 0 died: there is nobody left to serve).
   """
-  from bitdelta_jax.engine.multihost.runtime import broadcast_json
   from bitdelta_jax.engine.bank_options import Banks
   from bitdelta_jax.engine.build import build_generator
   from bitdelta_jax.engine.multihost.channel import PlanReceiver
+  from bitdelta_jax.engine.multihost.runtime import broadcast_json
 
   try:
     hello = broadcast_json(None, max_bytes=1 << 14)
