@@ -23,7 +23,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -46,21 +45,12 @@ SMOL = dict(
 
 
 def _interleaved(fns: dict, rounds: int) -> tuple[dict, dict]:
-  """(median, min) seconds of each ``fn()`` over rounds; each round runs every fn once, the
-  order rotating. The min is the least-disturbed run (the machine is shared)."""
-  import jax
-  import numpy as np
+  """(median, min) seconds of each ``fn()`` (`harness.interleaved`). The min is the
+  least-disturbed run (the machine is shared)."""
+  import harness
 
-  names = list(fns)
-  for f in fns.values():
-    jax.block_until_ready(f())
-  times = {n: [] for n in names}
-  for r in range(rounds):
-    for n in names[r % len(names) :] + names[: r % len(names)]:
-      t = time.perf_counter()
-      jax.block_until_ready(fns[n]())
-      times[n].append(time.perf_counter() - t)
-  return {n: float(np.median(v)) for n, v in times.items()}, {n: min(v) for n, v in times.items()}
+  t = harness.interleaved(fns, rounds, min_rounds=rounds)
+  return t.medians(), {n: t.min(n) for n in t.wall}
 
 
 def layer_bench(rounds: int) -> list[dict]:

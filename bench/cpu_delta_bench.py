@@ -21,11 +21,9 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -110,15 +108,9 @@ def _fns(g: int) -> dict:
 
 
 def _interleaved(calls: dict, rounds: int) -> dict[str, float]:
-  for f in calls.values():  # compile and warm
-    f().block_until_ready()
-  times = {name: [] for name in calls}
-  for _ in range(rounds):
-    for name, f in calls.items():
-      t0 = time.perf_counter()
-      f().block_until_ready()
-      times[name].append(time.perf_counter() - t0)
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  import harness
+
+  return harness.interleaved(calls, rounds).medians()
 
 
 def bench(rows, rounds: int) -> list[dict]:

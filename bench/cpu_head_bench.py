@@ -19,7 +19,6 @@ import json
 import os
 import pathlib
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,23 +29,13 @@ ROWS = (1, 2, 4, 8, 16, 32)
 
 
 def _interleaved(fns: dict, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
-  """(wall, process CPU) seconds of each ``fn()`` per round; each round runs every fn once, the
-  order rotating. CPU time (all threads) is what a loaded machine makes scarce; on a quiet one
-  the kernel's wall time approaches its CPU time over the threads it keeps busy."""
-  import jax
+  """(wall, process CPU) seconds of each ``fn()`` per round (`harness.interleaved`). CPU time
+  (all threads) is what a loaded machine makes scarce; on a quiet one the kernel's wall time
+  approaches its CPU time over the threads it keeps busy."""
+  import harness
 
-  names = list(fns)
-  for f in fns.values():
-    jax.block_until_ready(f())
-  wall = {n: [] for n in names}
-  cpu = {n: [] for n in names}
-  for r in range(rounds):
-    for n in names[r % len(names) :] + names[: r % len(names)]:
-      c, t = time.process_time(), time.perf_counter()
-      jax.block_until_ready(fns[n]())
-      wall[n].append(time.perf_counter() - t)
-      cpu[n].append(time.process_time() - c)
-  return wall, cpu
+  t = harness.interleaved(fns, rounds)
+  return t.wall, t.cpu
 
 
 def head_bench(rounds: int) -> list[dict]:

@@ -71,20 +71,11 @@ def _machine() -> dict:
 
 
 def _interleaved(fns: dict, args: dict, rounds: int, budget_s: float) -> dict[str, float]:
-  """Median seconds per call, one call of every fn per round."""
-  for name, f in fns.items():  # compile + warm
-    jax.block_until_ready(f(*args[name]))
-    jax.block_until_ready(f(*args[name]))
-  times = {name: [] for name in fns}
-  start = time.perf_counter()
-  for r in range(rounds):
-    for name, f in fns.items():
-      t = time.perf_counter()
-      jax.block_until_ready(f(*args[name]))
-      times[name].append(time.perf_counter() - t)
-    if r >= 4 and time.perf_counter() - start > budget_s:
-      break
-  return {name: statistics.median(ts) for name, ts in times.items()}
+  """Median seconds per call, one call of every fn per round (`harness.interleaved`)."""
+  import harness
+
+  calls = {name: (lambda f=f, a=args[name]: f(*a)) for name, f in fns.items()}
+  return harness.interleaved(calls, rounds, budget_s=budget_s).medians()
 
 
 def _delta_fn(implementation: str, group_k: int):

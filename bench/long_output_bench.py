@@ -21,16 +21,13 @@ with the ratio of the last bin to the first. Writes bench/results/long_output.{j
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import machine  # noqa: E402
-
-OUT = pathlib.Path(__file__).resolve().parent / "results"
+import harness  # noqa: E402
 BIN = 250
 STOP = "<never appears in the output>"
 
@@ -138,19 +135,15 @@ def main() -> None:
     sched.append(s)
     accept.append(a)
     old.append(old_rule(tok, tokens))
-  res = {"machine": machine.describe(), "tokens": args.tokens, "rounds": args.rounds,
+  res = {"tokens": args.tokens, "rounds": args.rounds,
          "bin": BIN, "model": "SmolLM2-135M-Instruct (dequantized Q4_1, f32)",
          "scheduler_us": bins(sched), "accept_us": bins(accept), "old_rule_us": bins(old),
          "output_chars": len(text)}
   for k in ("scheduler_us", "accept_us", "old_rule_us"):
     res[k.replace("_us", "_last_over_first")] = round(res[k][-1] / res[k][0], 2)
-  OUT.mkdir(exist_ok=True)
-  (OUT / "long_output.json").write_text(json.dumps(res, indent=2))
-  m = res["machine"]
   lines = [
     f"# Host time per token over a {args.tokens}-token output (issue 37)", "",
-    f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')} ({m.get('backend')}). "
-    f"{res['model']}, greedy, one request; medians over each bin of {BIN} generated tokens and "
+    f"{harness.machine_line(res)} {res['model']}, greedy, one request; medians over each bin of {BIN} generated tokens and "
     f"{args.rounds} interleaved rounds. Script: `bench/long_output_bench.py`.", "",
     "- scheduler: `Generator.step`'s host work (plan, batch, results; the wait for the device "
     "subtracted)",
@@ -164,7 +157,7 @@ def main() -> None:
     lines.append(f"| {i * BIN + 1}–{min((i + 1) * BIN, args.tokens)} | {s} | {a} | {o} |")
   lines += ["", f"Last bin / first bin: scheduler {res['scheduler_last_over_first']}×, accept "
             f"{res['accept_last_over_first']}×, old rule {res['old_rule_last_over_first']}×."]
-  (OUT / "long_output.md").write_text("\n".join(lines) + "\n")
+  fig = None
   try:
     import matplotlib
 
@@ -182,9 +175,9 @@ def main() -> None:
     ax.legend()
     ax.set_title("Host time per token over a long output")
     fig.tight_layout()
-    fig.savefig(OUT / "long_output.png", dpi=120)
   except ImportError:
     pass
+  harness.write_results("long_output", res, lines, fig=fig)
   print("\n".join(lines))
 
 
