@@ -28,6 +28,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness  # noqa: E402
+
 BIN = 250
 STOP = "<never appears in the output>"
 
