@@ -5,8 +5,13 @@ several processes. `serving/` wraps it in HTTP; a Python program uses it directl
     gen = Generator(model, max_rows=8, max_seq_len=1024, tokenizer=tok)   # offline
     gen.generate([[1, 2, 3]], slot_ids=[1], params=SamplingParams(max_new_tokens=16))
 
-    engine = Engine(cfg, metrics, tokenizer); engine.start().result()     # device thread
-    engine.submit(Request(prompt, slot, params, model="name", emit=callback))
+    engine = Engine(cfg, tokenizer=tok); engine.start().result()         # device thread
+    engine.generate([[1, 2, 3]], params=SamplingParams(max_new_tokens=16))  # offline, or
+    engine.submit(Request(prompt, slot, params, model="name", emit=callback))  # streaming
+
+``cfg``: the engine fields of a `serving.config.ServerConfig` (base, mesh, rows, KV cache, ...).
+On a mesh with ``data > 1`` the `Generator` runs one scheduler per data group; across
+processes `Engine` (process 0) leads and the others run `multihost.leader.run_follower`.
 
 Modules, in the order a request meets them:
   `request` (`Request`: one choice of one prompt, the scheduler's and the engine's state;
@@ -31,7 +36,6 @@ _EXPORTS = {
   "Event": "request",
   "SamplingParams": "sampling_params",
   "Engine": "engine",
-  "EngineConfig": "build",
 }
 
 __all__ = [*_EXPORTS]

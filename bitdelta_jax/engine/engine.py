@@ -37,9 +37,10 @@ from typing import TYPE_CHECKING
 
 from bitdelta_jax.engine.bank_options import Banks
 from bitdelta_jax.engine.build import build_generator, enable_compile_cache
+from bitdelta_jax.engine.generator import per_request
 from bitdelta_jax.engine.multihost.runtime import WorkerLost
-from bitdelta_jax.engine.request import Event, Request
-from bitdelta_jax.engine.stops import check_stop, num_kept
+from bitdelta_jax.engine.request import Event, Generation, Request
+from bitdelta_jax.engine.stops import check_stop, kept_tokens, num_kept
 
 if TYPE_CHECKING:  # the server's; the engine reads their fields only
   from serving.config import ServerConfig
@@ -48,11 +49,26 @@ if TYPE_CHECKING:  # the server's; the engine reads their fields only
 log = logging.getLogger("bitdelta_jax.engine.engine")
 
 
+class _NoMetrics:
+  """Metrics nobody reads (the engine used as a library): every call does nothing."""
+
+  def __getattr__(self, name):
+    return self
+
+  def __call__(self, *args, **kwargs):
+    return self
+
+
 class Engine:
+  """The device thread; see the module docstring. ``metrics``: the server's
+  (`serving.metrics.Metrics`), or None."""
+
   IDLE_PING_S = 5.0  # multi-process: an idle engine checks its workers this often
-  def __init__(self, cfg: ServerConfig, metrics: Metrics, tokenizer, *, banks: Banks = Banks(),
-               model_factory: Callable | None = None):
-    self.cfg, self.metrics, self.tokenizer = cfg, metrics, tokenizer
+
+  def __init__(self, cfg: ServerConfig, metrics: Metrics | None = None, tokenizer=None, *,
+               banks: Banks = Banks(), model_factory: Callable | None = None):
+    self.cfg, self.tokenizer = cfg, tokenizer
+    self.metrics = metrics if metrics is not None else _NoMetrics()
     self.banks = banks  # the per-slot banks every variant the server may load needs
     self._model_factory = model_factory
     self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -106,6 +122,38 @@ class Engine:
     if self._thread is not None and self._thread.is_alive():
       self._inbox.put(("stop",))
       self._thread.join(timeout)
+
+  def generate(self, prompts, slot_ids=None, params=None, *,
+               timeout: float | None = None) -> list[Generation]:
+    """Offline generation through the running engine (after `start`): each prompt a request
+    of the device thread, batched with whatever else it serves, its stops applied as for the
+    server's; returns one `Generation` per prompt (its text decoded with the engine's
+    tokenizer, when it has one). On several processes this is process 0's call; the others run
+    `multihost.leader.run_follower(cfg)`. Raises RuntimeError naming the first request that failed."""
+    slots, plist = per_request(prompts, slot_ids, params, self.tokenizer)
+    reqs, done = [], []
+    for p, slot, sp in zip(prompts, slots, plist):
+      fut: concurrent.futures.Future = concurrent.futures.Future()
+      texts: list[str] = []
+
+      def emit(ev, fut=fut, texts=texts):
+        if ev.kind == "token":
+          texts.append(ev.text)
+        elif ev.kind == "done":
+          fut.set_result(("".join(texts) + ev.text, ev.finish_reason))
+        else:
+          fut.set_exception(RuntimeError(f"generation failed: {ev.message}"))
+
+      r = Request(list(p), slot, sp, model=f"slot {slot}", emit=emit)
+      reqs.append(r)
+      done.append(fut)
+      self.submit(r)
+    out = []
+    for r, fut in zip(reqs, done):
+      text, reason = fut.result(timeout)
+      out.append(Generation(kept_tokens(r), reason, text if self.tokenizer else None,
+                            len(r.prompt)))
+    return out
 
   def stall_report(self) -> dict | None:
     """Why `/health` should say "degraded" (None: it need not): sequences without progress
