@@ -304,7 +304,7 @@ def test_n_choices_share_the_prefill_and_equal_separate_runs(gen):
 def test_penalties_bias_and_min_tokens_follow_numpy_over_a_generation(llama_model, gen):
   """Greedy decoding with the controls: every token is the argmax of the full-forward logits
   with the controls applied by numpy (tests/engine/test_sampling.py's reference)."""
-  from test_models_sampling import numpy_controls
+  from numpy_references import numpy_controls
 
   from bitdelta_jax.engine.controls import LogitControls
 

@@ -236,7 +236,7 @@ def _greedy_ids(client, prompt=PROMPT, **kw) -> list[int]:
 
 
 def test_penalties_and_logit_bias_follow_the_numpy_reference(client, models):
-  from test_models_sampling import numpy_controls
+  from numpy_references import numpy_controls
 
   from bitdelta_jax.engine.controls import LogitControls
 
