@@ -84,6 +84,10 @@ def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots
   model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
   shapes = StepShapes(max_rows=32, max_step_tokens=32 + 512, max_pages_per_seq=128,
                       page_size=16, block_pages=8, vocab_size=cfg.vocab_size, max_seq_len=2048)
+  if mesh is not None:  # data > 1: the engine runs one data group's runner per mesh row
+    from bitdelta_jax.engine.mesh_layout import data_groups
+
+    model, mesh = data_groups(model, mesh)[0]
   # the layers as one scan, as the engine runs them on a GPU (`scan_layers_default`)
   return PagedRunner(model, shapes=shapes, num_pages=256, mesh=mesh, scan_layers=True), cfg
 
