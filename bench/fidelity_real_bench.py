@@ -61,7 +61,6 @@ def evaluate(mc, base_t, delta, teacher, tok, examples) -> dict:
 
 
 def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
-  from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
   from bitdelta_jax.delta.stream import compress_checkpoints
   from bitdelta_jax.distill import DistillConfig, distill_checkpoint
 
@@ -115,10 +114,10 @@ def run_variant(name, base_dir, base_t, mc, tok, work: Path, args) -> dict:
   q = work / f"{name}-dqrelo"
   # per-matrix α and 64-row groups: at 1/15 the 1-bit part must leave room for the factors
   # (128-row groups pad K=576 to 640, and a per-column α costs 4 bytes per column)
-  mq = compress_modes(base_dir, ft_dir, q, CompressPolicy(granularity="matrix", mode="dqrelo",
-                                                          budget=args.budget, iters=1,
-                                                          group_k=64),
-                      overwrite=True, progress=False)
+  mq = compress_checkpoints(base_dir, ft_dir, q,
+                            CompressPolicy(granularity="matrix", mode="dqrelo",
+                                           budget=args.budget, iters=1, group_k=64),
+                            overwrite=True, progress=False)
   delta_q = load_delta(q)[0]
   mc_col = read_manifest(d)
   emb_names = [n for n in mc_col["tensors"] if any(e in n for e in EMB)]

@@ -54,7 +54,7 @@ def _print_pair_messages(m: dict) -> None:
 
 def cmd_compress(args) -> int:
   from bitdelta_jax.delta.report import Report, describe_embeddings
-  from bitdelta_jax.delta.stream import compress_checkpoints  # every mode (low rank delegated)
+  from bitdelta_jax.delta.stream import compress_checkpoints  # every mode
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
                            overwrite=args.overwrite, progress=not args.quiet,

@@ -164,7 +164,11 @@ def describe_embeddings(manifest: dict) -> list[str]:
   for name, c in sorted(manifest.get("embeddings_choice", {}).items()):
     err = c.get("rel_error_1bit")
     how = "1-bit, one α per token" if c["stored"] == "1bit" else "exact"
-    if err is None:
+    mode = c.get("mode", "bitdelta")  # absent in manifests written before the one compressor
+    if mode != "bitdelta":
+      why = f"mode {mode} keeps embeddings exactly" + (
+        "" if err is None else f"; 1-bit would err {err:.2%} of |W|")
+    elif err is None:
       why = f"{c.get('chosen_by')}: the base matrix is zero, so no relative error"
     elif c.get("chosen_by") == "auto":
       limit = c.get("limit", 0.01)

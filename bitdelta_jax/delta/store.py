@@ -169,28 +169,61 @@ class DeltaWriter(AtomicDir):
     self.tensors[name] = meta
 
   def finish(self, *, base_fingerprint: dict, report: Report, policy: dict,
-             extra: Mapping[str, Any] | None = None) -> dict:
-    """Writes manifest.json and commits. ``mode`` (from the policy, else "bitdelta") and
-    ``lora_rank`` (the largest factor rank of any tensor, 0 for none) are recorded so a server
-    sizes its LoRA slots before loading any array."""
-    ranks = [t.get("rank", 0) for t in self.tensors.values()]
-    manifest = {
-      "format": FORMAT_NAME,
-      "format_version": FORMAT_VERSION,
-      "layout": LAYOUT,
-      "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-      "base": base_fingerprint,
-      "policy": policy,
-      "scales": {"method": "mean_abs", "note": "alpha = mean|delta| (L2-optimal)"},
-      "tensors": self.tensors,
-      "report": report.to_dict(),
-      "mode": policy.get("mode", "bitdelta"),
-      "lora_rank": max(ranks, default=0),
-      **(extra or {}),
-    }
+             extra: Mapping[str, Any] | None = None, **fields: Any) -> dict:
+    """Writes manifest.json (`build_manifest` of the tensors added; ``fields`` are its
+    keyword arguments) and commits."""
+    manifest = build_manifest(self.tensors, base_fingerprint=base_fingerprint, report=report,
+                              policy=policy, extra=extra, **fields)
     (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     self.commit()
     return manifest
+
+
+def stored_embeddings(choices: Mapping[str, Mapping]) -> str:
+  """The manifest's ``embeddings``: "1bit" when any vocabulary matrix is stored 1-bit."""
+  return "1bit" if any(c["stored"] == "1bit" for c in choices.values()) else "exact"
+
+
+def build_manifest(tensors: Mapping[str, dict], *, base_fingerprint: dict, report: Report,
+                   policy: Mapping[str, Any], source: Mapping[str, str] | None = None,
+                   finetuned_config: Mapping[str, Any] | None = None,
+                   warnings: Iterable[str] = (), notes: Iterable[str] = (),
+                   tokenizer: str | None = None,
+                   embeddings_choice: Mapping[str, Mapping] | None = None,
+                   extra: Mapping[str, Any] | None = None) -> dict:
+  """The one manifest of a delta directory, whatever the mode wrote it: every key is always
+  there (docs/FORMAT.md), so two modes' manifests differ in values only.
+
+  ``tensors``: the per-tensor entries (`DeltaWriter.add`). ``mode`` (from the policy, else
+  "bitdelta") and ``lora_rank`` (the largest factor rank of any tensor, 0 for none) are
+  recorded so a server sizes its LoRA slots before loading any array. ``source``: the base and
+  fine-tune directory names; ``finetuned_config``: the fine-tune's config.json; ``tokenizer``:
+  the delta's own tokenizer directory (None: the base's); ``embeddings_choice``: per changed
+  embedding / LM head, how it is stored and why (``embeddings`` summarises it). ``extra``:
+  further keys (a caller's own), added last."""
+  choices = {n: dict(c) for n, c in (embeddings_choice or {}).items()}
+  ranks = [t.get("rank", 0) for t in tensors.values()]
+  return {
+    "format": FORMAT_NAME,
+    "format_version": FORMAT_VERSION,
+    "layout": LAYOUT,
+    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    "base": base_fingerprint,
+    "policy": dict(policy),
+    "scales": {"method": "mean_abs", "note": "alpha = mean|delta| (L2-optimal)"},
+    "tensors": dict(tensors),
+    "report": report.to_dict(),
+    "mode": policy.get("mode", "bitdelta"),
+    "lora_rank": max(ranks, default=0),
+    "source": None if source is None else dict(source),
+    "finetuned_config": dict(finetuned_config or {}),
+    "warnings": list(warnings),
+    "notes": list(notes),
+    "tokenizer": tokenizer,
+    "embeddings": stored_embeddings(choices),
+    "embeddings_choice": choices,
+    **(extra or {}),
+  }
 
 
 def read_manifest(path: str | os.PathLike) -> dict:

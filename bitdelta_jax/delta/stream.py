@@ -43,6 +43,7 @@ from bitdelta_jax.delta.store import (
   fingerprint,
   load_entry,
   read_manifest,
+  stored_embeddings,  # noqa: F401  (re-exported: its home was here)
 )
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
@@ -190,11 +191,6 @@ def _compress_linear_stream(name, base: CheckpointReader, ft: CheckpointReader, 
   return pd, TensorReport(name, "packed", info.shape, info.dtype.name, before, pd.nbytes, rel)
 
 
-def stored_embeddings(choices: dict) -> str:
-  """The manifest's ``embeddings``: "1bit" when any vocabulary matrix is stored 1-bit."""
-  return "1bit" if any(c["stored"] == "1bit" for c in choices.values()) else "exact"
-
-
 def _buffer(info, rows: int) -> np.ndarray:
   """A flat reusable read buffer for ``rows`` rows of a tensor."""
   return np.empty(rows * int(np.prod(info.shape[1:])), info.dtype)
@@ -293,32 +289,34 @@ def compress_checkpoints(
 ) -> dict:
   """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest.
 
+  Every mode (``policy.mode``) runs this one loop over the fine-tune's tensors; the mode decides
+  only what a linear weight becomes (`_compress_linear`): ``bitdelta`` streams it in row blocks
+  into a `PackedDelta`, the low-rank modes (`residual.py`: ``dqrelo``, ``svd``, ``delta-come``)
+  read it whole for its SVD (peak memory: two f32 copies of the largest linear weight plus its
+  SVD) into a `ResidualEntry` / `LoraEntry`. Everything else (new tensors, embeddings, norms,
+  the base fingerprint, the report, the warnings, the tokenizer) is the same for every mode.
+
   ``embeddings``: ``"exact"`` keeps changed embeddings / LM head as they are (f32 ``ft − base``,
   or the value); ``"1bit"`` stores them like linear weights, 1 bit per weight with one α per
   token (a `PackedDelta` in the ``[hidden, vocab]`` orientation), 1/16 of their bf16 bytes;
   served from packed slot banks (``ModelConfig.packed_embedding_slots``); ``"auto"`` (the
   default) stores each changed one 1-bit when that reconstructs the fine-tuned matrix within
   `AUTO_EMBEDDING_MAX_ERROR` (‖W_ft − (W_base + α·sign Δ)‖ / ‖W_base‖), exactly otherwise, and
-  exactly in the low-rank modes. The manifest's ``embeddings`` is what was done ("1bit" when
-  any vocabulary matrix is 1-bit), ``embeddings_choice`` says per tensor which and why.
-  Added tokens' rows of a grown vocabulary are always kept exactly."""
+  exactly in the low-rank modes (which still measure and record the 1-bit error). The
+  manifest's ``embeddings`` is what was done ("1bit" when any vocabulary matrix is 1-bit),
+  ``embeddings_choice`` says per tensor which and why. Added tokens' rows of a grown vocabulary
+  are always kept exactly."""
   if embeddings not in EMBEDDINGS_MODES:
     raise ValueError(f"embeddings must be one of {', '.join(map(repr, EMBEDDINGS_MODES))}, "
                      f"got {embeddings!r}")
-  if policy.mode != "bitdelta":  # low-rank modes read whole matrices: their own streamer
-    if embeddings == "1bit":
-      raise ValueError(f"embeddings={embeddings!r} is implemented for mode 'bitdelta' only")
-    from bitdelta_jax.delta.residual_stream import compress_checkpoints as compress_modes
-
-    return compress_modes(base_dir, ft_dir, out_dir, policy, overwrite=overwrite,
-                          progress=progress, extra=extra)
-  column = dataclasses.replace(policy, granularity="column")
+  if policy.mode != "bitdelta" and embeddings == "1bit":
+    raise ValueError(f"embeddings={embeddings!r} is implemented for mode 'bitdelta' only")
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
     lines, fp, norm_ratios, choices = [], {}, {}, {}
     with DeltaWriter(out_dir, overwrite=overwrite) as w:
-      names = ft.names()
-      with tqdm(names, desc="compress", unit="tensor", disable=not progress) as bar:
+      desc = "compress" if policy.mode == "bitdelta" else f"compress ({policy.mode})"
+      with tqdm(ft.names(), desc=desc, unit="tensor", disable=not progress) as bar:
         for name in bar:
           info = ft.info(name)
           crc = _Crc()
@@ -327,39 +325,20 @@ def compress_checkpoints(
             line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
                                 entry.nbytes, 0.0, note="not in base")
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
-            entry, line = _compress_linear_stream(name, base, ft, policy, crc, norm_ratios)
+            entry, line = _compress_linear(name, base, ft, policy, crc, norm_ratios)
           elif (embeddings != "exact" and policy.is_vocab(name) and len(info.shape) == 2
                 and base.info(name).shape == info.shape):
-            stats: dict = {}
-            entry, line = _compress_linear_stream(name, base, ft, column, crc, stats=stats)
-            if isinstance(entry, PackedDelta):
-              # relative to a zero base matrix the error is undefined (None): kept exactly
-              err = math.sqrt(stats["err_sq"] / stats["base_sq"]) if stats["base_sq"] else None
-              one_bit = embeddings == "1bit" or (err is not None and err <= AUTO_EMBEDDING_MAX_ERROR)
-              choices[name] = {"stored": "1bit" if one_bit else "exact",
-                               "chosen_by": embeddings, "rel_error_1bit": err,
-                               "limit": AUTO_EMBEDDING_MAX_ERROR}
-              if not one_bit:  # the exact branch's entry; the base was read (and summed) once
-                entry = (Dense("value", ft.read(name)) if policy.dense == "value" else
-                         compress_tensor(name, base.read(name), ft.read(name), policy,
-                                         hf_layout=True)[0])
-                line = TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
-                                    entry.nbytes, 0.0, note="auto: 1-bit would err "
-                                    + ("(zero base)" if err is None else f"{err:.2%}"))
+            entry, line = _compress_vocab(name, base, ft, policy, embeddings, crc, choices)
           elif base.info(name).shape == info.shape and base.info(name).dtype == info.dtype:
             # One streamed pass compares and checksums the base; a changed tensor kept as its
             # value needs no second read of the base.
             if _same_stream(name, base, ft, crc):
               entry = Dense("same")
-            elif policy.dense == "value":
-              entry = Dense("value", ft.read(name))
             else:
-              entry = compress_tensor(name, base.read(name), ft.read(name), policy,
-                                      hf_layout=True)[0]
+              entry = _exact(name, base, ft, policy)
             line = TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
                                 entry.nbytes, 0.0)
           else:
-            crc = _Crc()
             b = base.read(name)
             crc.update(b)
             entry, line = compress_tensor(name, b, ft.read(name), policy, hf_layout=True)
@@ -369,21 +348,70 @@ def compress_checkpoints(
             fp[name] = (bi.shape, bi.dtype.name, crc.value)
           w.add(name, entry, hf_shape=info.shape)
           lines.append(line)
-      report = Report(lines)
-      # Directory names only: a manifest records no absolute paths of the machine it was built on.
-      src = {"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name}
-      cfg = _read_config(ft.path)
       warnings, notes = pair_warnings(norm_ratios, grown_rows)
       tok = keep_tokenizer(base_dir, ft_dir, w.tmp)
       if tok:
         notes.append(f"the fine-tune's tokenizer / chat template differ from the base's; kept "
                      f"in {TOKENIZER_DIR}/ ({', '.join(tok)})")
-      return w.finish(base_fingerprint=fingerprint(fp), report=report, policy=policy.to_dict(),
-                      extra={"source": src, "finetuned_config": cfg, "warnings": warnings,
-                             "notes": notes, "tokenizer": TOKENIZER_DIR if tok else None,
-                             "embeddings": stored_embeddings(choices),
-                             "embeddings_choice": choices,
-                             **(extra or {})})
+      # Directory names only: a manifest records no absolute paths of the machine it was built on.
+      return w.finish(
+        base_fingerprint=fingerprint(fp), report=Report(lines), policy=policy.to_dict(),
+        source={"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name},
+        finetuned_config=_read_config(ft.path), warnings=warnings, notes=notes,
+        tokenizer=TOKENIZER_DIR if tok else None, embeddings_choice=choices, extra=extra)
+
+
+def _compress_linear(name, base: CheckpointReader, ft: CheckpointReader, policy, crc,
+                     norm_ratios: dict):
+  """A linear weight's entry and report line under ``policy.mode``."""
+  if policy.mode == "bitdelta":  # row blocks, never the whole matrix
+    return _compress_linear_stream(name, base, ft, policy, crc, norm_ratios)
+  b, f = base.read(name), ft.read(name)  # the low-rank modes' SVD needs the whole matrix
+  crc.update(b)
+  norm_ratios[name] = _sample_norm_ratio(b, f)
+  return compress_tensor(name, b, f, policy, hf_layout=True)
+
+
+def _exact(name, base: CheckpointReader, ft: CheckpointReader, policy) -> Dense:
+  """A changed tensor kept exactly: its value, or ``ft − base`` (the base re-read only then)."""
+  if policy.dense == "value":
+    return Dense("value", ft.read(name))
+  return compress_tensor(name, base.read(name), ft.read(name), policy, hf_layout=True)[0]
+
+
+def embedding_choice(embeddings: str, mode: str, err: float | None) -> dict:
+  """The one rule for a changed embedding / LM head (same shape as the base's), every mode:
+  its ``embeddings_choice`` record. ``stored`` is "1bit" for ``embeddings="1bit"``, or for
+  ``"auto"`` in mode ``bitdelta`` when the measured 1-bit error ``err`` (None: zero base) is
+  within `AUTO_EMBEDDING_MAX_ERROR`; else "exact" (the low-rank modes always keep them exactly)."""
+  one_bit = mode == "bitdelta" and (
+    embeddings == "1bit" or (err is not None and err <= AUTO_EMBEDDING_MAX_ERROR))
+  return {"stored": "1bit" if one_bit else "exact", "chosen_by": embeddings, "mode": mode,
+          "rel_error_1bit": err, "limit": AUTO_EMBEDDING_MAX_ERROR}
+
+
+def _compress_vocab(name, base: CheckpointReader, ft: CheckpointReader, policy, embeddings: str,
+                    crc, choices: dict):
+  """A vocabulary matrix (``embeddings`` "auto" or "1bit"): packed with one α per token, which
+  also measures its 1-bit error (Σ W_base² read in the same pass); kept 1-bit or re-read as
+  `_exact` by `embedding_choice`, recorded in ``choices``."""
+  info = ft.info(name)
+  stats: dict = {}
+  column = dataclasses.replace(policy, granularity="column")
+  entry, line = _compress_linear_stream(name, base, ft, column, crc, stats=stats)
+  if not isinstance(entry, PackedDelta):  # unchanged: "same"
+    return entry, line
+  # relative to a zero base matrix the error is undefined (None): kept exactly
+  err = math.sqrt(stats["err_sq"] / stats["base_sq"]) if stats["base_sq"] else None
+  choices[name] = choice = embedding_choice(embeddings, policy.mode, err)
+  if choice["stored"] == "1bit":
+    return entry, line
+  entry = _exact(name, base, ft, policy)  # the base was read (and summed) once
+  why = ("(zero base)" if err is None else f"{err:.2%}")
+  note = (f"auto: 1-bit would err {why}" if policy.mode == "bitdelta" else
+          f"{policy.mode}: kept exactly (1-bit would err {why})")
+  return entry, TensorReport(name, entry.kind, info.shape, info.dtype.name, info.nbytes,
+                             entry.nbytes, 0.0, note=note)
 
 
 def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:

@@ -14,8 +14,8 @@ from bitdelta_jax.delta.compress import CompressPolicy, apply_delta, compress
 from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.delta.format import PackedDelta, pack
 from bitdelta_jax.delta.residual import MIXED, ModeSpec, compress_linear, stored_nbytes
-from bitdelta_jax.delta.residual_stream import compress_checkpoints
 from bitdelta_jax.delta.store import load_delta, read_manifest, save_delta
+from bitdelta_jax.delta.stream import compress_checkpoints
 from bitdelta_jax.synthetic import SyntheticConfig, make_base, make_finetune, write_pair
 
 K, N = 96, 160  # K is not a multiple of the default group size

@@ -12,7 +12,6 @@ import pytest
 from bitdelta_jax.cli import main
 from bitdelta_jax.delta import residual
 from bitdelta_jax.delta.compress import CompressPolicy
-from bitdelta_jax.delta.residual_stream import compress_checkpoints
 from bitdelta_jax.delta.store import (
   DeltaStoreError,
   load_delta,
@@ -20,6 +19,7 @@ from bitdelta_jax.delta.store import (
   read_manifest,
   update_entries,
 )
+from bitdelta_jax.delta.stream import compress_checkpoints
 from bitdelta_jax.distill import (
   SLOT,
   DistillConfig,
