@@ -1,9 +1,11 @@
 """Streaming compression and materialisation of Hugging Face checkpoint directories.
 
-Peak memory is a few row-chunks (≤ `CHUNK_BYTES` each) plus the packed output of the tensor
-in hand (1/16 of it): a linear weight is read in blocks of output rows, each block is packed
-by one jitted kernel that also returns per-column Σ|Δ| and ΣΔ², and α and the error come
-from those sums at the end. Two whole models are never in memory.
+One compressor for every mode (`compress_checkpoints`). In mode ``bitdelta`` peak memory is a
+few row-chunks (≤ `CHUNK_BYTES` each) plus the packed output of the tensor in hand (1/16 of
+it): a linear weight is read in blocks of output rows, each block is packed by one jitted
+kernel that also returns per-column Σ|Δ| and ΣΔ², and α and the error come from those sums at
+the end. The low-rank modes read one linear weight pair whole at a time (its SVD needs it).
+Two whole models are never in memory.
 """
 
 from __future__ import annotations
