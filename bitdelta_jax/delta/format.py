@@ -16,7 +16,6 @@ K is padded up to a multiple of ``group_k``; padded rows hold bit 0 and are neve
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
