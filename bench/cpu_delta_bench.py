@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from machine import describe  # noqa: E402
 
-from bitdelta_jax import native  # noqa: E402
 from bitdelta_jax.delta.format import group_k_for, pack  # noqa: E402
 from pallas_kernels.delta_matmul import cpu  # noqa: E402
+from pallas_kernels.native import build as native  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LAYER = [

@@ -4,7 +4,7 @@ layer import them without JAX. `bitdelta_jax.delta.format` (packing, unpacking) 
 `PackedDelta` as a pytree; so does importing this module after JAX.
 
 * `PackedDelta`: a 1-bit delta ``α ⊙ sign(Δ)`` of one ``[K, N]`` kernel (bit layout in
-  `bitdelta_jax.delta.format` and docs/FORMAT.md).
+  `pallas_kernels.bits` and docs/FORMAT.md).
 * `Dense`: a tensor kept exactly (``same``, ``value`` or ``delta``).
 * `LoraEntry`: low-rank factors ``a [in, r] · b [r, out]`` (a PEFT adapter, SVD modes).
 * `ResidualEntry`: a 1-bit delta plus a low-rank correction of what it leaves out (D-QRELO).
@@ -18,6 +18,13 @@ from typing import Literal
 
 import numpy as np
 
+from pallas_kernels.bits import (  # noqa: F401  (the bit layout, shared with the kernels)
+  DEFAULT_GROUP_K,
+  LAYOUT,
+  packed_rows,
+  round_up,
+)
+
 
 class DeltaMismatchError(ValueError):
   """Base and fine-tune (or base and delta) do not correspond."""
@@ -25,16 +32,6 @@ class DeltaMismatchError(ValueError):
 
 Granularity = Literal["matrix", "column"]
 GRANULARITIES: tuple[str, ...] = ("matrix", "column")
-LAYOUT = "group-bitplane-v1"
-DEFAULT_GROUP_K = 128
-
-
-def round_up(x: int, m: int) -> int:
-  return -(-x // m) * m
-
-
-def packed_rows(k: int, group_k: int) -> int:
-  return round_up(k, group_k) // 8
 
 
 @dataclasses.dataclass(frozen=True)

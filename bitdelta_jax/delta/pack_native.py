@@ -15,7 +15,7 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
-from bitdelta_jax import native
+from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("pack_kernel.cc")
 _DTYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1}
@@ -23,7 +23,7 @@ _DTYPES = {np.dtype(np.float32): 0, np.dtype(ml_dtypes.bfloat16): 1}
 
 @functools.cache
 def _lib():
-  lib, reason = native.build(_SOURCE, "pack_rows")
+  lib, reason = build_native(_SOURCE, "pack_rows")
   if lib is not None:
     p = ctypes.c_void_p
     lib.bitdelta_pack_rows.argtypes = [p, ctypes.c_int, p, ctypes.c_int, ctypes.c_int64,

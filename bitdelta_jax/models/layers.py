@@ -6,7 +6,8 @@ transposed HF ``weight`` of a Linear, ``[in, out]``). Variant state lives beside
 checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
 
 * `DeltaDense`: ``y[m] = x[m]·W + α[v]⊙(x[m]·S[v]) (+ b + Δb[v])`` with ``v`` the slot of row
-  ``m``'s sequence; the matmul goes through ``pallas_kernels.delta_matmul``. Bank: bits
+  ``m``'s sequence; the matmul, with or without a bank, is one call of
+  `pallas_kernels.delta_matmul.api.delta_matmul`, which picks the kernel. Bank: bits
   ``[S, K_pad/8, N]`` uint8, scale ``[S, N]`` f32 (a per-matrix α is broadcast to N).
 * `RMSNorm`: per-slot f32 weight delta ``[S, D]`` (norms are kept exactly by the compressor).
 * `Embed` / `LMHead`: optional per-slot dense f32 deltas (``ModelConfig.dense_embedding_slots``)
@@ -16,6 +17,8 @@ checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
   base's LM head, and never materialises a ``[rows, V, D]`` gather.
   With ``ModelConfig.packed_embedding_slots`` the delta is 1-bit with a per-token α instead
   (bits ``[S, D/8, V]`` + α ``[S, V]``: 1/32 of the dense bank), read packed on both sides.
+  The base head is `pallas_kernels.lm_head.logits`, the packed bank product
+  `pallas_kernels.lm_head.add_packed_products`: each picks its kernel.
   With ``ModelConfig.extra_vocab`` they also hold per-slot rows for tokens a variant added (a
   grown vocabulary); the logits are then ``V + extra_vocab`` wide.
 
@@ -26,93 +29,24 @@ A layer built with ``num_slots == 1`` has no bank and runs the plain base comput
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, packed_rows
+from pallas_kernels.bits import DEFAULT_GROUP_K, group_k_for, packed_rows, unpack_signs
+from pallas_kernels.delta_matmul.api import delta_matmul
+from pallas_kernels.lm_head.api import add_packed_products
+from pallas_kernels.lm_head.api import logits as head_logits
+from pallas_kernels.lm_head.api import packed_products_fused as _packed_products_fused  # noqa: F401
+from pallas_kernels.lm_head.reference import (  # noqa: F401  (read here by an older test)
+  packed_products_reference as _packed_products_reference,
+)
 
 _init = nnx.initializers.normal(0.02)
 
 
 class SlotBank(nnx.Variable):
   """Per-variant-slot state kept beside the base parameters (row 0 = base, always zero)."""
-
-
-def delta_matmul_fn(implementation=None):
-  """The kernel API if it is importable, else the plain-jnp reference (resolved at trace time).
-
-  ``implementation`` is a name for ``delta_matmul`` (or None), or a callable with its signature
-  (e.g. `bitdelta_jax.sharding.ShardedDeltaMatmul`), which is used as is.
-  """
-  if callable(implementation):
-    return implementation
-  try:
-    from pallas_kernels.delta_matmul.api import delta_matmul
-  except ImportError:
-    from pallas_kernels.delta_matmul.reference import delta_matmul_reference
-
-    return delta_matmul_reference
-  return functools.partial(delta_matmul, implementation=implementation)
-
-
-def _rows_kernel(rows: int, x_dtype, w_dtype, implementation):
-  """`cpu_rows.rows_call` when a product of ``rows`` rows takes the CPU few-rows kernel (one CPU
-  device, no explicit implementation, up to `cpu_rows.MAX_ROWS` rows), else None."""
-  if implementation is not None or jax.device_count() != 1:
-    return None
-  try:
-    from pallas_kernels.delta_matmul import cpu_rows
-  except ImportError:
-    return None
-  return cpu_rows.rows_call if cpu_rows.usable(rows, x_dtype, w_dtype) else None
-
-
-def _base_matmul(x_BxTxK: jax.Array, kernel: jax.Array, implementation) -> jax.Array:
-  """``x · W`` for the base path where `_rows_kernel` does not apply (more rows, or
-  ``BITDELTA_CPU_ROWS=0``), on one CPU device: the small-M kernels of
-  `pallas_kernels.small_matmul` (2-16 f32 rows), and for bf16 x and W `cpu_bf16.dense` (its
-  kernel for a few rows, else XLA's dot with f32 sums); XLA's dot otherwise (and always under
-  a sharded matmul)."""
-  b, t, k = x_BxTxK.shape
-  if not callable(implementation) and jax.device_count() == 1:
-    try:
-      from pallas_kernels.small_matmul import cpu as small
-      from pallas_kernels.small_matmul import cpu_bf16
-    except ImportError:
-      small = None
-    if small is not None and small.usable(b * t, x_BxTxK.dtype, kernel.dtype):
-      return small.small_matmul(x_BxTxK.reshape(b * t, k), kernel).reshape(b, t, -1)
-    if small is not None and cpu_bf16.handles(x_BxTxK.dtype, kernel.dtype):
-      y = cpu_bf16.dense(x_BxTxK.reshape(b * t, k), kernel)
-      return y.astype(x_BxTxK.dtype).reshape(b, t, -1)
-  return jnp.dot(x_BxTxK, kernel)
-
-
-def _head_matmul(h_BxTxD: jax.Array, w: jax.Array, *, tied: bool) -> jax.Array:
-  """f32 logits ``h · Eᵀ`` (tied embedding ``[V, D]``) or ``h · W`` (LM head ``[D, V]``): on one
-  CPU device the bf16 kernels of `pallas_kernels.small_matmul.cpu_bf16` for a few bf16 rows
-  (XLA's bf16 ``h · Eᵀ`` is ~8x slower than f32 at one row) and the f32 NT kernel of
-  `pallas_kernels.small_matmul.cpu` for a few f32 rows of a tied head (XLA's f32 ``h · Eᵀ``
-  reads E at ~half the bandwidth: bench/results/cpu_head.md); XLA's dot otherwise."""
-  b, t, d = h_BxTxD.shape
-  if jax.device_count() == 1:
-    try:
-      from pallas_kernels.small_matmul import cpu as small
-      from pallas_kernels.small_matmul import cpu_bf16
-    except ImportError:
-      cpu_bf16 = None
-    if cpu_bf16 is not None:
-      if tied and small.usable_nt(b * t, h_BxTxD.dtype, w.dtype):
-        return small.small_matmul_nt(h_BxTxD.reshape(b * t, d), w).reshape(b, t, -1)
-      usable = cpu_bf16.usable_nt if tied else cpu_bf16.usable
-      if usable(b * t, h_BxTxD.dtype, w.dtype):
-        fn = cpu_bf16.small_matmul_bf16_nt if tied else cpu_bf16.small_matmul_bf16
-        return fn(h_BxTxD.reshape(b * t, d), w).reshape(b, t, -1)
-  spec = "btd,vd->btv" if tied else "btd,dv->btv"
-  return jnp.einsum(spec, h_BxTxD, w, preferred_element_type=jnp.float32)
 
 
 def _rows(bank: jax.Array, slot_ids: jax.Array) -> jax.Array:
@@ -132,74 +66,19 @@ def _add_slot_products(logits_BxTxV, h_BxTxD, bank, used_S, slot_ids_B, spec: st
   return logits_BxTxV
 
 
-def _packed_products_reference(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M, group_k: int):
-  """``base + α[s] ⊙ (h · S[s])`` per row (slot < 0: base only): each slot present unpacks its
-  signs under a ``lax.cond``. Plain jnp; differentiable."""
-  from bitdelta_jax.delta.format import unpack_signs
-
-  k, v = h_MxK.shape[1], base_MxV.shape[1]
-  for s in range(1, bits_SxRxV.shape[0]):
-    rows = slots_M == s
-    add = lambda y, s=s, rows=rows: y + jnp.where(
-      rows[:, None], scale_SxV[s] * (h_MxK @ unpack_signs(bits_SxRxV[s], (k, v), group_k)), 0.0)
-    base_MxV = jax.lax.cond(jnp.any(rows), add, lambda y: y, base_MxV)
-  return base_MxV
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _packed_products_fused(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M, group_k: int):
-  """The same with the fused native CPU kernel (bits read once per row block); its gradient
-  is the reference's (the kernel has none)."""
-  from pallas_kernels.delta_matmul import cpu
-
-  return cpu.fused_call(h_MxK, bits_SxRxV, scale_SxV, slots_M, base_MxV, group_k=group_k)
-
-
-def _packed_fused_fwd(base, h, bits, scale, slots, group_k):
-  return _packed_products_fused(base, h, bits, scale, slots, group_k), (base, h, bits, scale, slots)
-
-
-def _packed_fused_bwd(group_k, res, ct):
-  base, h, bits, scale, slots = res
-  _, vjp = jax.vjp(lambda b, x, a: _packed_products_reference(b, x, bits, a, slots, group_k),
-                   base, h, scale)
-  gb, gh, ga = vjp(ct)
-  return gb, gh, None, ga, None
-
-
-_packed_products_fused.defvjp(_packed_fused_fwd, _packed_fused_bwd)
-
-
 def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot_ids_B,
                               group_k: int):
   """``logits[b] += α[s] ⊙ (h[b] · S[s])`` with ``s = slot[b]``: a 1-bit embedding / LM-head
-  delta (per-token α) read packed. On one CPU device the fused native kernel reads the bits
-  once per row block (slot 0 rows and slots without a delta are skipped); elsewhere each slot
-  present in the batch unpacks its signs under a ``lax.cond``."""
+  delta (per-token α) read packed (`pallas_kernels.lm_head.add_packed_products`)."""
   b, t, v = logits_BxTxV.shape
-  h = h_BxTxD.reshape(b * t, -1).astype(jnp.float32)
-  used = jnp.any(scale_SxV != 0, axis=1)  # [S]
-  slots = jnp.repeat(slot_ids_B.astype(jnp.int32), t)
-  slots = jnp.where((slots > 0) & used[slots], slots, -1)
-  base = logits_BxTxV.reshape(b * t, v)
-  if jax.device_count() == 1:
-    from pallas_kernels.delta_matmul import cpu
-
-    if cpu.unavailable_reason() is None:  # the target platform is the CPU
-      # a batch without such a row never enters the kernel (it would still walk the vocabulary)
-      out = jax.lax.cond(
-        jnp.any(slots >= 0),
-        lambda y: _packed_products_fused(y, h, bits_SxRxV, scale_SxV, slots, group_k),
-        lambda y: y, base)
-      return out.reshape(b, t, v)
-  return _packed_products_reference(base, h, bits_SxRxV, scale_SxV, slots, group_k
-                                    ).reshape(b, t, v)
+  out = add_packed_products(logits_BxTxV.reshape(b * t, v), h_BxTxD.reshape(b * t, -1),
+                            bits_SxRxV, scale_SxV, jnp.repeat(slot_ids_B.astype(jnp.int32), t),
+                            group_k=group_k)
+  return out.reshape(b, t, v)
 
 
 def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k: int):
   """The 1-bit delta rows ``α[s, id] · S[s][:, id]`` of the given tokens, f32 ``[B, T, K]``."""
-  from bitdelta_jax.delta.format import unpack_signs
-
   b, t = ids_BxT.shape
   cols = bits_SxRxV[slot_ids_B[:, None], :, ids_BxT]  # [B, T, R]
   signs = unpack_signs(cols.reshape(b * t, -1, 1), (k, 1), group_k)[..., 0]  # [B*T, K]
@@ -272,56 +151,24 @@ class DeltaDense(nnx.Module):
   def has_bank(self) -> bool:
     return self.delta_bits is not None
 
-  def _few_rows(self, rows_call, x_BxTxK, kernel, slot_ids):
-    """A decode step's rows on one CPU device: base and every slot's delta in one native pass
-    (`pallas_kernels.delta_matmul.cpu_rows`), no ``lax.cond``; LoRA slots on top."""
+  def __call__(self, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     b, t, k = x_BxTxK.shape
     x = x_BxTxK.reshape(b * t, k)
+    bank = ()
     if self.has_bank and slot_ids is not None:
       ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
-      y = rows_call(x, kernel, self.delta_bits[...], self.delta_scale[...], ids,
-                    group_k=self.group_k)
-    else:
-      y = rows_call(x, kernel)
+      bank = (self.delta_bits[...], self.delta_scale[...], ids)
+    # The kernel API picks the implementation (few-rows CPU kernel, base product, delta kernel,
+    # or the sharded callable in `implementation`); f32 so a LoRA term adds to it as before.
+    y = delta_matmul(x, self.kernel[...], *bank, group_k=self.group_k,
+                     implementation=self.implementation, preferred_element_type=jnp.float32)
     y = y.reshape(b, t, self.out_features)
     if self.lora_a is not None and slot_ids is not None:
       y = jax.lax.cond(jnp.any(slot_ids > 0),
                        lambda y: y + _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...],
                                                  slot_ids),
                        lambda y: y, y)
-    return y.astype(x_BxTxK.dtype)
-
-  def __call__(self, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    kernel = self.kernel[...]
-    b, t, k = x_BxTxK.shape
-    rows = _rows_kernel(b * t, x_BxTxK.dtype, kernel.dtype, self.implementation)
-    if rows is not None:
-      y = self._few_rows(rows, x_BxTxK, kernel, slot_ids)
-    elif self.has_bank and slot_ids is not None:
-
-      def with_deltas(x_BxTxK):
-        ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
-        y = delta_matmul_fn(self.implementation)(
-          x_BxTxK.reshape(b * t, k),
-          kernel,
-          self.delta_bits[...],
-          self.delta_scale[...],
-          ids,
-          group_k=self.group_k,
-        ).reshape(b, t, self.out_features)
-        if self.lora_a is not None:
-          lora = _lora_delta(x_BxTxK, self.lora_a[...], self.lora_b[...], slot_ids)
-          y = (y.astype(jnp.float32) + lora).astype(y.dtype)
-        return y
-
-      def base_only(x_BxTxK):
-        return _base_matmul(x_BxTxK, kernel, self.implementation).astype(x_BxTxK.dtype)
-
-      # A batch of base rows only skips the delta kernels at run time: one program serves
-      # batches with and without variants (the engine compiles no separate base-only form).
-      y = jax.lax.cond(jnp.any(slot_ids > 0), with_deltas, base_only, x_BxTxK)
-    else:
-      y = _base_matmul(x_BxTxK, kernel, self.implementation)
+    y = y.astype(x_BxTxK.dtype)
     if self.bias is not None:
       bias = self.bias[...]
       if self.bias_delta is not None and slot_ids is not None:
@@ -398,7 +245,7 @@ class Embed(nnx.Module):
 
   def attend(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``, + added tokens), f32 logits."""
-    logits = _head_matmul(h_BxTxD, self.weight[...], tied=True)
+    logits = head_logits(h_BxTxD, self.weight[...], tied=True)
     if self.weight_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
                                   self.weight_delta_used[...], slot_ids, "btd,vd->btv")
@@ -448,7 +295,7 @@ class LMHead(nnx.Module):
     self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    logits = _head_matmul(h_BxTxD, self.kernel[...], tied=False)
+    logits = head_logits(h_BxTxD, self.kernel[...], tied=False)
     if self.kernel_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
                                   self.kernel_delta_used[...], slot_ids, "btd,dv->btv")

@@ -1,10 +1,15 @@
-"""`delta_matmul`: one entry point, several implementations, dispatch by backend.
+"""`delta_matmul`: one entry point, several implementations, dispatch by backend and shape.
 
     y[m] = x[m] · W_base + α[v] ⊙ (x[m] · S[v]),   v = slot_ids[m]; v == 0 means base only.
+
+A Linear layer calls only this, with or without a bank of deltas (no bits: the plain ``x·W``).
 
 Implementations (``implementation=``):
 
 * ``"reference"``: `reference.delta_matmul_reference`, readable jnp.
+* ``"cpu_rows"``: the few-rows CPU kernel (`cpu_rows.py`, 1 to `cpu_rows.MAX_ROWS` rows, one
+  CPU device): W streamed once with every slot's delta blended in, base rows and the plain
+  product included, so a decode step needs no ``lax.cond``. The CPU's first choice.
 * ``"xla"``: pure XLA, any backend. Uses ``x·S = 2·x·B − rowsum(x)``; batch 1 looks up
   sums of 8 x values per packed byte (a gather, no unpacking), larger batches do 8 bit-plane
   dots. A fallback, not fast.
@@ -16,7 +21,13 @@ Implementations (``implementation=``):
   lowering is deprecated in jax 0.11, so ``pallas_triton`` is only a GPU fallback before it.
 
 ``implementation=None`` tries the best for the target platform and falls through on
-`NotImplementedError` (a shape a kernel cannot take); naming one that cannot run raises. The
+`NotImplementedError` (a shape a kernel cannot take); naming one that cannot run raises;
+`fallback_reasons` says why each one before the choice could not run. With a bank and
+``slot_ids``, every implementation but ``cpu_rows`` runs under a ``lax.cond``: a batch of base
+rows only runs the base product (`pallas_kernels.small_matmul.api.small_matmul`) instead, so
+one program serves batches with and without variants. ``implementation`` may also be a
+callable with this function's signature (e.g. `bitdelta_jax.sharding.ShardedDeltaMatmul`):
+it computes the products with deltas, XLA's dot the plain ones. The
 target platform is the default backend, or the one `lowering_platform` (re-exported from
 `pallas_kernels.platform`) sets: to lower CUDA programs in a CPU-only process, trace inside
 ``with lowering_platform("cuda"):`` and lower with ``lowering_platforms=("cuda",)``.
@@ -24,28 +35,31 @@ target platform is the default backend, or the one `lowering_platform` (re-expor
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, packed_rows
+from pallas_kernels.bits import DEFAULT_GROUP_K, group_k_for, packed_rows
 from pallas_kernels.platform import (
   hopper_reason,
   lowering_platform,
   override,
   target_platform,
 )
+from pallas_kernels.small_matmul.api import small_matmul
 
-from . import cpu, mosaic_gpu, pallas_gpu
+from . import cpu, cpu_rows, mosaic_gpu, pallas_gpu
 from .config import Config, MosaicConfig
 from .reference import delta_matmul_reference, with_reference_vjp
 
-IMPLEMENTATIONS = ("reference", "xla", "cpu", "pallas_triton", "mosaic_gpu")
+IMPLEMENTATIONS = ("reference", "xla", "cpu_rows", "cpu", "pallas_triton", "mosaic_gpu")
 # The Pallas Triton lowering is deprecated from jax 0.11: only a fallback where it still lowers.
 _TRITON_IN_PREFERENCE = jax.__version_info__ < (0, 11)
 _GPU_PREFERENCE = ("mosaic_gpu", *(("pallas_triton",) if _TRITON_IN_PREFERENCE else ()), "xla")
 _PREFERENCE = {
-  "cpu": ("cpu", "xla"),
+  "cpu": ("cpu_rows", "cpu", "xla"),
   "gpu": _GPU_PREFERENCE,
   "cuda": _GPU_PREFERENCE,
   "rocm": (*(("pallas_triton",) if _TRITON_IN_PREFERENCE else ()), "xla"),
@@ -54,6 +68,7 @@ _GPU_PLATFORMS = ("gpu", "cuda")
 __all__ = [
   "IMPLEMENTATIONS",
   "delta_matmul",
+  "fallback_reasons",
   "lowering_platform",
   "target_platform",
   "unavailable_reason",
@@ -103,6 +118,10 @@ def _check(x, w_base, bits, scale, slot_ids, g: int):
   k, n = w_base.shape
   if x.ndim != 2 or x.shape[1] != k:
     raise ValueError(f"x must be [M, {k}] for w_base {w_base.shape}, got {x.shape}")
+  if bits is None:
+    if scale is not None or slot_ids is not None:
+      raise ValueError("scale and slot_ids need bits")
+    return
   want = (packed_rows(k, g), n)
   if bits.ndim not in (2, 3) or tuple(bits.shape[-2:]) != want:
     raise ValueError(f"bits must be [..., {want[0]}, {n}] (group_k={g}), got {bits.shape}")
@@ -130,6 +149,8 @@ def _run(
   interpret: bool,
   config: Config | MosaicConfig | None,
 ):
+  if name == "cpu_rows":  # f32 result, differentiable (the reference's VJP)
+    return cpu_rows.rows_call(x, w_base, bits, scale, slot_ids, group_k=g)
   if name in ("cpu", "pallas_triton", "mosaic_gpu"):  # kernels XLA cannot differentiate through
     kernel = lambda x, w, s, b, i: _run_impl(  # noqa: E731
       name, x, w, b, s, i, g=g, interpret=interpret, config=config)
@@ -183,6 +204,8 @@ def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
   lowering_note = "" if override() is None else " (set by lowering_platform)"
   if name in ("reference", "xla"):
     return None
+  if name == "cpu_rows":
+    return cpu_rows.unavailable_reason()
   if name == "cpu":
     return cpu.unavailable_reason()
   if name == "pallas_triton":
@@ -210,52 +233,104 @@ def unavailable_reason(name: str, *, interpret: bool = False) -> str | None:
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 
+def _shape_reason(name: str, x, w_base) -> str | None:
+  """Why ``name`` would not take these operands, where that is known before running it."""
+  if name == "cpu_rows":
+    return cpu_rows.shapes_supported(x.shape[0], x.dtype, w_base.dtype)
+  return None
+
+
+def fallback_reasons(x, w_base, *, interpret: bool = False) -> dict[str, str | None]:
+  """The target platform's implementations in preference order, each with why it cannot take
+  ``x`` (``[M, K]``) and ``w_base`` (arrays or ``jax.ShapeDtypeStruct``); None: it can (a
+  Pallas kernel may still refuse a shape when it runs, then the next one is tried)."""
+  return {name: unavailable_reason(name, interpret=interpret) or _shape_reason(name, x, w_base)
+          for name in _PREFERENCE.get(target_platform(), ("xla",))}
+
+
+def _auto(x, w_base, bits, scale, slot_ids, *, g, interpret, config):
+  reasons = []
+  for name, reason in fallback_reasons(x, w_base, interpret=interpret).items():
+    if name == "cpu_rows":
+      continue  # taken before the delta/base split (`delta_matmul`)
+    if reason:
+      reasons.append(f"{name}: {reason}")
+      continue
+    try:
+      return _run(name, x, w_base, bits, scale, slot_ids, g=g, interpret=interpret, config=config)
+    except NotImplementedError as e:
+      reasons.append(f"{name}: {e}")
+  raise NotImplementedError("no delta_matmul implementation took this call:\n" + "\n".join(reasons))
+
+
 def delta_matmul(
   x: jax.Array,
   w_base: jax.Array,
-  bits: jax.Array,
-  scale: jax.Array,
+  bits: jax.Array | None = None,
+  scale: jax.Array | None = None,
   slot_ids: jax.Array | None = None,
   *,
   group_k: int = DEFAULT_GROUP_K,
-  implementation: str | None = None,
+  implementation=None,
   interpret: bool = False,
   config: Config | MosaicConfig | None = None,
+  preferred_element_type=None,
 ) -> jax.Array:
-  """``x·W_base + α ⊙ (x·S)`` for one variant, or per row's slot of a bank.
+  """``x·W_base + α ⊙ (x·S)`` for one variant, or per row's slot of a bank, or ``x·W_base``.
 
   Args:
     x: ``[M, K]`` activations (reshape leading dims away first).
     w_base: ``[K, N]`` base kernel (Flax layout).
     bits: uint8 ``[K_pad/8, N]`` (one variant) or ``[S, K_pad/8, N]`` (bank), layout of
-      `bitdelta_jax.delta.format`.
+      `pallas_kernels.bits`; None: the plain product ``x·W_base`` (no scale, no slot_ids).
     scale: float32 ``[1|N]`` or ``[S, 1|N]``.
     slot_ids: int ``[M]``, bank only: each row's slot; 0 means base only.
     group_k: the packing ``group_k`` (the group actually used is ``group_k_for(K, group_k)``).
-    implementation: one of `IMPLEMENTATIONS`, or None for the best available.
+    implementation: one of `IMPLEMENTATIONS`, None for the best available, or a callable with
+      this signature (a sharded matmul) for the products with deltas.
     interpret: run Pallas kernels in interpret mode (tests, CPU).
     config: block sizes for the Pallas kernels: a `Config` for ``pallas_triton``, a
       `MosaicConfig` for ``mosaic_gpu`` (the other kernel then uses its own heuristic; default:
       `Config.heuristic` / `MosaicConfig.heuristic`).
+    preferred_element_type: the result's dtype (default ``x.dtype``). ``jnp.float32``: the
+      few-rows kernel's f32 sums as they are, the other implementations' ``x.dtype`` result
+      widened (so a LoRA term added in f32 sees what it saw before this API chose kernels).
 
   Returns:
-    ``[M, N]`` in ``x.dtype``; accumulation in f32.
+    ``[M, N]`` in ``preferred_element_type`` or ``x.dtype``; accumulation in f32.
   """
+  out = jnp.dtype(preferred_element_type or x.dtype)
+  if callable(implementation):
+    delta_fn = functools.partial(implementation, group_k=group_k)
+    return _with_base_rows(delta_fn, x, w_base, bits, scale, slot_ids, "xla").astype(out)
   g = group_k_for(w_base.shape[0], group_k)
   _check(x, w_base, bits, scale, slot_ids, g)
   args = (x, w_base, bits, scale, slot_ids)
-  if implementation is not None:
+  run = functools.partial(_run, g=g, interpret=interpret, config=config)
+  if implementation is None:
+    if fallback_reasons(x, w_base, interpret=interpret).get("cpu_rows", "") is None:
+      return run("cpu_rows", *args).astype(out)  # base rows and deltas in one pass, no cond
+    delta_fn = functools.partial(_auto, g=g, interpret=interpret, config=config)
+  else:
     reason = unavailable_reason(implementation, interpret=interpret)
     if reason:
       raise RuntimeError(f"delta_matmul implementation {implementation!r} cannot run: {reason}")
-    return _run(implementation, *args, g=g, interpret=interpret, config=config)
-  reasons = []
-  for name in _PREFERENCE.get(target_platform(), ("xla",)):
-    if unavailable_reason(name, interpret=interpret):
-      reasons.append(f"{name}: {unavailable_reason(name, interpret=interpret)}")
-      continue
-    try:
-      return _run(name, *args, g=g, interpret=interpret, config=config)
-    except NotImplementedError as e:
-      reasons.append(f"{name}: {e}")
-  raise NotImplementedError("no delta_matmul implementation took this call:\n" + "\n".join(reasons))
+    if implementation == "cpu_rows":
+      if reason := _shape_reason("cpu_rows", x, w_base):
+        raise NotImplementedError(f"delta_matmul 'cpu_rows': {reason}")
+      return run("cpu_rows", *args).astype(out)
+    delta_fn = functools.partial(run, implementation)
+  return _with_base_rows(delta_fn, *args, None).astype(out)
+
+
+def _with_base_rows(delta_fn, x, w_base, bits, scale, slot_ids, base_implementation):
+  """``delta_fn(x, w_base, bits, scale, slot_ids)`` in ``x.dtype``; with a bank under a
+  ``lax.cond`` that runs only the base product when no row has a slot > 0; without bits the
+  base product alone."""
+  base = lambda x: small_matmul(x, w_base, implementation=base_implementation)  # noqa: E731
+  if bits is None:
+    return base(x)
+  product = lambda x: delta_fn(x, w_base, bits, scale, slot_ids).astype(x.dtype)  # noqa: E731
+  if slot_ids is None:
+    return product(x)
+  return jax.lax.cond(jnp.any(slot_ids > 0), product, base, x)

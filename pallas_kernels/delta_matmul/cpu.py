@@ -48,14 +48,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bitdelta_jax import native
+from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_delta_matmul"
 
 
 def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
-  return native.build(
+  return build_native(
     _SOURCE,
     "delta_term",
     include_dirs=(jax.ffi.include_dir(),),
@@ -86,7 +86,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
   jax.ffi.register_ffi_target(
     _MERGED_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
   )
-  expand, reason = native.build(_EXPAND_SOURCE, "delta_expand",
+  expand, reason = build_native(_EXPAND_SOURCE, "delta_expand",
                                 include_dirs=(jax.ffi.include_dir(),),
                                 key_extra=jax.__version__.encode())
   if expand is None:

@@ -6,12 +6,12 @@
 // W_eff: ~2 weight-sized transfers, a few percent of the GEMM) and hands it to XLA's dot.
 // W_eff is a transient buffer of the step; decode steps never take this path.
 //
-// Layout: the group-local bit planes of `bitdelta_jax/delta/format.py` (byte bits[s, g*P + p,
+// Layout: the group-local bit planes of `pallas_kernels/bits.py` (byte bits[s, g*P + p,
 // n], bit j: the sign of row g*G + j*P + p). The K rows are split across the pool's threads.
 #include <algorithm>
 #include <cstdint>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -38,7 +38,7 @@
 #define BD_AVX2 1
 #endif
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

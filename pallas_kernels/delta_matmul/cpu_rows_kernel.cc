@@ -1,7 +1,8 @@
 // The whole 1-bit delta product for a few rows (decode steps) on the CPU, in one pass over W:
 //   y[m] = x[m] · W + α_s ⊙ (x[m] · S_s),   s = slots[m]; s <= 0: the base only.
+// Bank row s - first_slot holds slot s (first_slot 1: one variant's bits [1, KP, N], no zero row 0).
 // W is f32 or bf16 [K, N]; S_s the slot's signs in the group-local bit-plane layout
-// (`bitdelta_jax/delta/format.py`: byte bits[s, g*P + p, n] holds in bit j the sign of row
+// (`pallas_kernels/bits.py`: byte bits[s, g*P + p, n] holds in bit j the sign of row
 // g*G + j*P + p, P = G / 8); α_s one f32 per column; x, y f32.
 //
 // Why: a decode step reads every weight once for a handful of rows, so it is bound by memory
@@ -28,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -95,6 +96,7 @@ struct Args {
   const uint8_t* bits;  // [S, KP, N]
   const float* scale;   // [S, N]
   int64_t M, K, N, KP, G;
+  int64_t first;  // the slot held by bank row 0 (slot s > 0 reads row s - first)
   const std::vector<Group>* groups;  // the W pass: base rows, then slots blended into W
   const std::vector<Group>* lut;     // slots with few rows: their rows are in the base group,
                                      // their delta added by `LutDelta`
@@ -186,7 +188,7 @@ void Rows16(const Args& a, const T* w, float* acc, int64_t k, int64_t n0, int64_
     pf[j] = next == nullptr ? nullptr : next + j * N;
     bm[j] = _mm_set1_epi8(char(slot > 0 ? bmask[j] : 0));
   }
-  const float* al = slot > 0 ? a.scale + slot * N : nullptr;
+  const float* al = slot > 0 ? a.scale + (slot - a.first) * N : nullptr;
   if (slot > 0) {
     if (next) RowsLoop<KB, R, true, true>(wr, ar, xs, brow, al, bm, pf, n0, n1);
     else RowsLoop<KB, R, true, false>(wr, ar, xs, brow, al, bm, pf, n0, n1);
@@ -250,7 +252,7 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
     for (int64_t gk = k0; gk < k1; gk += G)
       for (int64_t p = 0; p < P; ++p) {
         const int64_t byte_row = gk / G * P + p;
-        const uint8_t* b = a.bits + (g.slot * a.KP + byte_row) * N;
+        const uint8_t* b = a.bits + ((g.slot - a.first) * a.KP + byte_row) * N;
         __m512 tlo[kLutMaxRows], thi[kLutMaxRows];
         for (int64_t i = 0; i < nr; ++i) {
           __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
@@ -285,7 +287,7 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
       const int64_t r = g.rows[i];
       float total = 0.f;
       for (int64_t k = k0; k < std::min(k1, K); ++k) total += a.x[r * K + k];
-      const float* al = a.scale + g.slot * N;
+      const float* al = a.scale + (g.slot - a.first) * N;
       for (int64_t n = 0; n < N; ++n) acc[r * N + n] += al[n] * (d[i * N + n] - total);
     }
   }
@@ -309,7 +311,7 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
       if (g.slot <= 0) {
         for (int j = 0; j < KB; ++j) we[j] = wv[j];
       } else {
-        const v16 al = load16(a.scale + g.slot * N + n);
+        const v16 al = load16(a.scale + (g.slot - a.first) * N + n);
         for (int j = 0; j < KB; ++j) {
           b16v b;
           std::memcpy(&b, brow[gi * kKBMax + j] + n, 16);
@@ -351,7 +353,7 @@ void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
         int64_t br;
         int bit;
         bit_of(k + j, a.G, &br, &bit);
-        brow[gi * kKBMax + j] = a.bits + (g.slot * a.KP + br) * N;
+        brow[gi * kKBMax + j] = a.bits + ((g.slot - a.first) * a.KP + br) * N;
         bmask[gi * kKBMax + j] = 1u << bit;
       }
     }
@@ -364,7 +366,7 @@ void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
         for (int64_t n = n0; n < N; ++n) {
           float we = load1(w + (k + j) * N + n);
           if (g.slot > 0) {
-            const float al = a.scale[g.slot * N + n];
+            const float al = a.scale[(g.slot - a.first) * N + n];
             we = (brow[gi * kKBMax + j][n] & bmask[gi * kKBMax + j]) ? we + al : we - al;
           }
           for (int64_t r : g.rows) acc[r * N + n] += a.x[r * K + k + j] * we;
@@ -393,13 +395,14 @@ void Chunk(const Args& a, const T* w, float* acc, int64_t k0, int64_t k1) {
 template <typename T>
 ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* scale,
                const int32_t* slots, float* y, int64_t M, int64_t K, int64_t N, int64_t S,
-               int64_t KP, int64_t G) {
+               int64_t KP, int64_t G, int64_t first) {
   if (M == 0 || N == 0) return ffi::Error::Success();
   std::vector<Group> groups;
   groups.push_back({0, {}});
   for (int64_t m = 0; m < M; ++m) {
     const int64_t s = slots[m];
-    if (s >= S) return ffi::Error::InvalidArgument("delta_rows: a slot id is past the bank");
+    if (s > 0 && (s < first || s - first >= S))
+      return ffi::Error::InvalidArgument("delta_rows: a slot id is past the bank");
     if (s <= 0) { groups[0].rows.push_back(m); continue; }
     auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.slot == s; });
     if (it == groups.end()) groups.push_back({s, {m}});
@@ -427,7 +430,7 @@ ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* sca
   const int64_t part = M * N;
   if (int64_t(scratch.size()) < (chunks - 1) * part) scratch.resize((chunks - 1) * part);
   float* parts = scratch.data();
-  const Args a{x, bits, scale, M, K, N, KP, G, &groups, &lut};
+  const Args a{x, bits, scale, M, K, N, KP, G, first, &groups, &lut};
   pool.run([&](int c) {
     const int64_t k0 = c * per, k1 = std::min(K, k0 + per);
     Chunk<T>(a, w, c == 0 ? y : parts + (c - 1) * part, k0, k1);
@@ -441,7 +444,7 @@ ffi::Error Run(const float* x, const T* w, const uint8_t* bits, const float* sca
 
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::U8> bits,
                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> slots,
-                ffi::ResultBuffer<ffi::F32> y, int64_t group_k) {
+                ffi::ResultBuffer<ffi::F32> y, int64_t group_k, int64_t first_slot) {
   auto xd = x.dimensions();
   auto wd = w.dimensions();
   auto bd = bits.dimensions();
@@ -453,16 +456,20 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::U8> 
       sd[1] != N || slots.dimensions().size() != 1 || slots.dimensions()[0] != M)
     return ffi::Error::InvalidArgument(
         "delta_rows: expected bits[S,KP,N], scale[S,N] and slots[M] matching x and W");
+  if (first_slot < 0 || first_slot > 1)
+    return ffi::Error::InvalidArgument("delta_rows: first_slot must be 0 or 1");
   if (group_k <= 0 || group_k % 8 || bd[1] % (group_k / 8))
     return ffi::Error::InvalidArgument("delta_rows: group_k must be a multiple of 8 dividing 8*KP");
   const float* xp = x.typed_data();
   float* yp = y->typed_data();
   if (w.element_type() == ffi::DataType::F32)
     return Run(xp, static_cast<const float*>(w.untyped_data()), bits.typed_data(),
-               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k);
+               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k,
+               first_slot);
   if (w.element_type() == ffi::DataType::BF16)
     return Run(xp, static_cast<const uint16_t*>(w.untyped_data()), bits.typed_data(),
-               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k);
+               scale.typed_data(), slots.typed_data(), yp, M, K, N, bd[0], bd[1], group_k,
+               first_slot);
   return ffi::Error::InvalidArgument("delta_rows: W must be f32 or bf16");
 }
 
@@ -476,4 +483,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaDeltaRows, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [S, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
-                                  .Attr<int64_t>("group_k"));
+                                  .Attr<int64_t>("group_k")
+                                  .Attr<int64_t>("first_slot"));

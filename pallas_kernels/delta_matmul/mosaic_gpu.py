@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from bitdelta_jax.delta.format import round_up
+from pallas_kernels.bits import round_up
 
 from .config import MosaicConfig
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from bitdelta_jax.delta.format import round_up
+from pallas_kernels.bits import round_up
 
 from .config import Config
 

@@ -5,7 +5,7 @@ Numerics: unpack signs to ±1 in f32, accumulate in f32, cast to x.dtype at the 
 
     y[m] = x[m] · W_base + α[v] ⊙ (x[m] · S[v]),   v = slot_ids[m]; v == 0 means base only.
 
-Bit layout: `bitdelta_jax.delta.format` (group-local bit planes, ``group_k`` rows per group).
+Bit layout: `pallas_kernels.bits` (group-local bit planes, ``group_k`` rows per group).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bitdelta_jax.delta.format import DEFAULT_GROUP_K, group_k_for, unpack_signs
+from pallas_kernels.bits import DEFAULT_GROUP_K, group_k_for, unpack_signs
 
 
 def delta_matmul_reference(

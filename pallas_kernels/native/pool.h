@@ -1,7 +1,7 @@
 // The persistent thread pool of the project's CPU kernels (small_matmul, delta_matmul,
 // paged_attention), one per process.
 //
-// Every kernel library includes this header (`bitdelta_jax/native.py` puts its folder on the
+// Every kernel library includes this header (`pallas_kernels/native/build.py` puts its folder on the
 // include path and keys every build on it, so all libraries of one process share its layout).
 // Each library exports `BitdeltaPoolShare`: `native.build` calls it right after loading a
 // library, passing the pool of the libraries loaded before (null for the first), so the first

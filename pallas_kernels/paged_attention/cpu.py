@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bitdelta_jax import native
+from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_paged_decode"
@@ -40,7 +40,7 @@ _BIG = 1 << 30  # "no window", as the reference
 
 
 def _build(arch: tuple[str, ...] | None = None):
-  return native.build(
+  return build_native(
     _SOURCE,
     "paged_attention",
     include_dirs=(jax.ffi.include_dir(),),

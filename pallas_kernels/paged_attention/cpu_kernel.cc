@@ -24,7 +24,7 @@
 #include <limits>
 #include <vector>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

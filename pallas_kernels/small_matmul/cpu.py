@@ -31,7 +31,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bitdelta_jax import native
+from pallas_kernels.native.build import build as build_native
 
 MIN_ROWS, MAX_ROWS = 2, 16
 NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
@@ -40,7 +40,7 @@ _TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
 
 
 def _build(arch: tuple[str, ...] | None = None):
-  return native.build(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
+  return build_native(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
                       key_extra=jax.__version__.encode(), arch=arch)
 
 

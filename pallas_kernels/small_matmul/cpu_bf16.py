@@ -29,7 +29,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bitdelta_jax import native
+from pallas_kernels.native.build import build as build_native
 
 # Rows up to which the kernels run (bench/results/cpu_bf16.md, ratios to XLA inside programs
 # over seven runs of the bench on this shared machine): the NN kernel beat XLA's dot with f32
@@ -44,7 +44,7 @@ _TARGET = "bitdelta_small_matmul_bf16"  # NN; the NT entry is _TARGET + "_nt"
 
 
 def _build(arch: tuple[str, ...] | None = None):
-  return native.build(
+  return build_native(
     _SOURCE,
     "small_matmul_bf16",
     include_dirs=(jax.ffi.include_dir(),),

@@ -17,7 +17,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

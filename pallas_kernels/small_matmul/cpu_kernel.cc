@@ -15,7 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (bitdelta_jax/native.py)
+#include "pool.h"  // pallas_kernels/native, on the include path (native/build.py)
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -231,6 +231,7 @@ def test_dispatch_falls_through_on_not_implemented(monkeypatch):
     calls.append("cpu")
     raise NotImplementedError("test: cpu kernel refuses this shape")
 
+  monkeypatch.setenv("BITDELTA_CPU_ROWS", "0")  # the few-rows kernel would take 2 rows first
   monkeypatch.setattr(cpu, "unavailable_reason", lambda: None)
   monkeypatch.setattr(cpu, "delta_matmul_cpu", refuse)
   monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
@@ -243,6 +244,7 @@ def test_dispatch_falls_through_on_not_implemented(monkeypatch):
 
 
 def test_dispatch_skips_unavailable_cpu_kernel(monkeypatch):
+  monkeypatch.setenv("BITDELTA_CPU_ROWS", "0")  # the few-rows kernel would take 1 row first
   monkeypatch.setattr(cpu, "unavailable_reason", lambda: "test: no compiler")
   x, w, bits, scale, _ = make_case(1, 200, 72, jnp.float32, "matrix", False)
   got = delta_matmul(x, w, bits, scale)

@@ -1,5 +1,5 @@
 """The CPU kernels' thread pool (`pallas_kernels/native/pool.h`): one per process, shared by
-every kernel library `bitdelta_jax.native` builds (small_matmul f32 and bf16, the delta
+every kernel library `pallas_kernels.native.build` builds (small_matmul f32 and bf16, the delta
 kernel, paged attention), and builds keyed on the shared header."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ctypes
 
 import pytest
 
-from bitdelta_jax import native
+from pallas_kernels.native import build as native
 
 
 def _libs():

@@ -1,13 +1,14 @@
-"""Small C++ helpers compiled on first use with the system compiler and cached.
+"""C++ kernel libraries compiled on first use with the system compiler, cached under the one
+cache root (`pallas_kernels.cache.cache_root`, ``$BITDELTA_CACHE``).
 
-Used by the CPU delta-matmul kernel (`pallas_kernels/delta_matmul/cpu.py`) and the compression
-packer (`bitdelta_jax/delta/pack_native.py`). A build is keyed by the source, the compiler and
-the extra key (e.g. the jax version for FFI headers) and the shared headers; ``-march=native``
-is tried first, then a portable build. Without a compiler, callers get the reason and fall
-back to pure XLA/numpy.
+Used by every CPU kernel of `pallas_kernels` (delta_matmul, small_matmul, paged_attention) and
+the compression packer (`bitdelta_jax/delta/pack_native.py`). A build is keyed by the source,
+the compiler, the extra key (e.g. the jax version for FFI headers) and the shared headers;
+``-march=native`` is tried first, then a portable build. Without a compiler, callers get the
+reason and fall back to pure XLA/numpy.
 
-Shared headers (``pallas_kernels/native``, on every build's include path): ``pool.h``, the
-kernels' persistent thread pool. A library that includes it exports ``BitdeltaPoolShare``;
+Shared headers (this folder, on every build's include path): ``pool.h``, the kernels'
+persistent thread pool. A library that includes it exports ``BitdeltaPoolShare``;
 `build` hands each such library the pool of the ones loaded before it, so a process has one
 pool (one set of worker threads) whatever the number of kernel libraries.
 """
@@ -24,7 +25,9 @@ import subprocess
 import tempfile
 import threading
 
-SHARED_INCLUDE = pathlib.Path(__file__).resolve().parents[1] / "pallas_kernels" / "native"
+from pallas_kernels.cache import cache_root
+
+SHARED_INCLUDE = pathlib.Path(__file__).resolve().parent
 _pool: int | None = None  # the address of the process's thread pool (``BitdeltaPoolShare``)
 _pool_lock = threading.Lock()
 
@@ -53,8 +56,6 @@ def _share_pool(lib: ctypes.CDLL) -> None:
 def cache_dir() -> pathlib.Path:
   """Where built kernel libraries go: the one cache root (`pallas_kernels.cache.cache_root`,
   ``$BITDELTA_CACHE``)."""
-  from pallas_kernels.cache import cache_root
-
   return cache_root()
 
 
