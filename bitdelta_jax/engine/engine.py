@@ -469,3 +469,9 @@ def _prompt_entries(r: Request) -> list | None:
     lp, ids, vals = scores.get(i, (None, [], []))
     out.append((r.prompt[i], lp, list(zip(ids, vals))))
   return out
+
+
+def _code(e: BaseException) -> str | None:
+  """The error code of a failed step's requests: ``worker_lost`` (HTTP 503) when a worker
+  process was lost."""
+  return "worker_lost" if isinstance(e, WorkerLost) else None
