@@ -16,20 +16,11 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from pathlib import Path
 
 from bitdelta_jax.engine.bank_options import Banks
+from pallas_kernels.cache import cache_root
 
 log = logging.getLogger("bitdelta_jax.engine")
-
-
-def cache_root() -> Path:
-  """Where everything bitdelta-jax keeps between runs lives (compiled steps, XLA's cache, the
-  native kernels, the zoo): ``$BITDELTA_CACHE``, else ``$XDG_CACHE_HOME/bitdelta_jax``, else
-  ``~/.cache/bitdelta_jax``."""
-  from pallas_kernels.cache import cache_root as root
-
-  return root()
 
 
 def step_cache_dir() -> str | None:

@@ -301,7 +301,7 @@ class Generator:
         if reason is not None:
           text = None
           if self.tokenizer is not None:
-            text = "" if r.text is None else (r.text.take(final=True), r.text.text)[1]
+            text = "" if r.text is None else r.text.final()
           results[r.tag] = Generation(kept_tokens(r), reason, text, len(r.prompt))
           self.finish(r)
     return results  # type: ignore[return-value]

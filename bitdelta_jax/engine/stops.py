@@ -53,6 +53,11 @@ class TextStream:
       self.stop_at = min(hits)
       self.text = self.text[:self.stop_at]
 
+  def final(self) -> str:
+    """The whole text, every token decoded (cut before a stop string once one is found)."""
+    self.take(final=True)
+    return self.text
+
   def take(self, final: bool = False) -> str:
     """The characters not handed out yet that no later token can change: all of them when
     ``final`` (or a stop string was found), else all but the held-back tail."""
