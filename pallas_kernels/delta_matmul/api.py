@@ -333,4 +333,27 @@ def _with_base_rows(delta_fn, x, w_base, bits, scale, slot_ids, base_implementat
   product = lambda x: delta_fn(x, w_base, bits, scale, slot_ids).astype(x.dtype)  # noqa: E731
   if slot_ids is None:
     return product(x)
-  return jax.lax.cond(jnp.any(slot_ids > 0), product, base, x)
+  # Inside shard_map both branches must vary over the same mesh axes: a Pallas call's result
+  # carries none, the base product those of its operands.
+  axes = frozenset().union(*(_varying_axes(a) for a in (x, w_base, bits, scale, slot_ids)))
+  return jax.lax.cond(
+    jnp.any(slot_ids > 0), _varying(product, axes), _varying(base, axes), x)
+
+
+def _varying_axes(a):
+  """The shard_map axes ``a`` varies over (``aval.vma`` in newer JAX)."""
+  aval = jax.typeof(a)
+  if (vma := getattr(aval, "vma", None)) is not None:
+    return frozenset(vma)
+  return frozenset(aval.manual_axis_type.varying)
+
+
+def _varying(fn, axes):
+  """``fn`` with its result marked as varying over ``axes`` (a no-op outside shard_map)."""
+
+  def wrapped(x):
+    y = fn(x)
+    missing = tuple(sorted(axes - _varying_axes(y)))
+    return jax.lax.pcast(y, missing, to="varying") if missing else y
+
+  return wrapped
