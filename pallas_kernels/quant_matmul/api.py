@@ -1,0 +1,79 @@
+"""`quant_matmul`: a Linear layer's product over a ggml-quantized base (Q8_0 / Q4_0 / Q4_1
+blocks, `blocks.QuantizedKernel`), with the 1-bit delta term of each row's variant slot.
+
+Implementations (``implementation=``), in order of preference:
+
+* ``"cpu_rows"``: the native CPU kernel (`cpu_rows`), blocks dequantized in registers and every
+  slot's delta fused into the same pass; one CPU device.
+* ``"reference"``: `reference.quant_matmul_reference` (dequantizes the whole matrix inside the
+  program: any backend, the definition).
+
+``implementation=None`` takes the first that can run; `fallback_reasons` says why each one
+before it could not. Naming one that cannot run raises with the reason.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .blocks import QuantizedKernel
+from .reference import quant_matmul_reference
+
+IMPLEMENTATIONS = ("cpu_rows", "reference")
+__all__ = ["IMPLEMENTATIONS", "fallback_reasons", "quant_matmul", "unavailable_reason"]
+
+
+def _cpu_rows():
+  try:
+    from . import cpu_rows
+  except ImportError:  # not built into this tree
+    return None
+  return cpu_rows
+
+
+def unavailable_reason(name: str, x: jax.Array, qk: QuantizedKernel) -> str | None:
+  """None if ``name`` computes ``x · qk`` here, else why not."""
+  if name == "reference":
+    return None
+  if name == "cpu_rows":
+    mod = _cpu_rows()
+    if mod is None:
+      return "the native quantized kernel is not part of this build"
+    return mod.unavailable_reason() or mod.shapes_supported(x.shape[0], qk)
+  raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
+
+
+def fallback_reasons(x: jax.Array, qk: QuantizedKernel) -> dict[str, str | None]:
+  """Each implementation in preference order with why it cannot run (None: it can)."""
+  return {name: unavailable_reason(name, x, qk) for name in IMPLEMENTATIONS}
+
+
+def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
+                 scale: jax.Array | None = None, slot_ids: jax.Array | None = None, *,
+                 group_k: int, implementation: str | None = None,
+                 preferred_element_type=None) -> jax.Array:
+  """``[M, N]``: ``x · dequant(qk)`` (+ ``α_s ⊙ (x · S_s)`` per row, as `delta_matmul`).
+
+  Args:
+    x: ``[M, K]`` activations (used in f32).
+    qk: the ``[K, N]`` blocks.
+    bits, scale, slot_ids: None (the plain product), one variant (``[KP, N]``, ``[1|N]``,
+      None) or a bank (``[S, KP, N]``, ``[S, N]``, ``[M]``; slot 0 = base only).
+    group_k: the bit planes' packing group (`pallas_kernels.bits.group_k_for`).
+    implementation: one of `IMPLEMENTATIONS`, or None for the best that can run.
+    preferred_element_type: the result's dtype (default ``x.dtype``); sums are f32.
+  """
+  if x.ndim != 2 or x.shape[1] != qk.shape[0]:
+    raise ValueError(f"x {tuple(x.shape)} does not multiply a {qk.format} kernel {qk.shape}")
+  out = jnp.dtype(preferred_element_type or x.dtype)
+  if implementation is None:
+    reasons = fallback_reasons(x, qk)
+    implementation = next(name for name, why in reasons.items() if why is None)
+  elif reason := unavailable_reason(implementation, x, qk):
+    raise RuntimeError(f"quant_matmul implementation {implementation!r} cannot run: {reason}")
+  if implementation == "reference":
+    y = quant_matmul_reference(x, qk, bits, scale, slot_ids, group_k=group_k)
+  else:
+    y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=group_k)
+  return y.astype(out)

@@ -1,0 +1,33 @@
+"""The definition: ``x · dequant(W_q)`` plus the 1-bit delta term of each row's slot, in jnp.
+
+``dequant`` is ggml's (`blocks.dequantize_jnp`); the delta term is exactly
+`pallas_kernels.delta_matmul.reference.delta_matmul_reference`'s (its base product over a zero
+matrix). f32 products at HIGHEST precision; the result is f32.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.delta_matmul.reference import delta_matmul_reference
+
+from .blocks import QuantizedKernel, dequantize_jnp
+
+
+def quant_matmul_reference(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
+                           scale: jax.Array | None = None, slot_ids: jax.Array | None = None, *,
+                           group_k: int) -> jax.Array:
+  """f32 ``[M, N]``: x ``[M, K]`` times the ``[K, N]`` blocks, plus ``α_s ⊙ (x·S_s)``.
+
+  bits / scale / slot_ids as `delta_matmul_reference`: one variant (bits ``[KP, N]``, scale
+  ``[1|N]``, slot_ids None) or a bank (``[S, KP, N]``, ``[S, N]``, slot_ids ``[M]``; slot 0 is
+  the base alone); bits None: the plain product."""
+  x32 = x.astype(jnp.float32)
+  w = dequantize_jnp(qk)
+  y = jnp.dot(x32, w, precision=jax.lax.Precision.HIGHEST)
+  if bits is None:
+    return y
+  zero = jnp.zeros((1, qk.shape[1]), jnp.float32)  # broadcast: no [K, N] zeros materialised
+  zero = jnp.broadcast_to(zero, qk.shape)
+  return y + delta_matmul_reference(x32, zero, bits, scale, slot_ids, group_k=group_k)
