@@ -125,6 +125,22 @@ def cmd_inspect(args) -> int:
   return 0
 
 
+def cmd_quantize(args) -> int:
+  from pathlib import Path
+
+  from bitdelta_jax.hf.gguf_export import write_gguf
+
+  base, out = Path(args.base), Path(args.out)
+  if not base.is_dir():
+    raise ValueError(f"--base {base}: not a directory")
+  if out.exists() and not args.force:
+    raise ValueError(f"--out {out} exists; pass --force to replace it")
+  path = write_gguf(base, out, dtype=args.format, overwrite=args.force)
+  if not args.quiet:
+    print(f"wrote {path} ({args.format}, {path.stat().st_size / 1e6:.1f} MB)")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   from bitdelta_jax import __version__
 
@@ -203,6 +219,20 @@ def build_parser() -> argparse.ArgumentParser:
                  help="read every array and check its crc32 (a truncated or corrupt delta is "
                       "an error, exit 2)")
   i.set_defaults(fn=cmd_inspect)
+
+  q = sub.add_parser("quantize", help="write an HF Llama checkpoint as a GGUF (ggml blocks or float)",
+                     description="Write an HF Llama checkpoint as a llama.cpp GGUF: every 2-D weight "
+                     "in ggml's Q8_0 / Q4_0 / Q4_1 blocks (llama.cpp's reference quantizer, the same "
+                     "bytes) or as f32 / bf16; norms stay f32. Streams tensor by tensor, written "
+                     "through a temporary file renamed into place.")
+  q.add_argument("--base", required=True, metavar="DIR", help="HF checkpoint directory (Llama)")
+  q.add_argument("--format", required=True, choices=("q8_0", "q4_0", "q4_1", "f32", "bf16"),
+                 help="type of the 2-D weights (quantized formats need input dimensions that are "
+                 "multiples of 32)")
+  q.add_argument("--out", required=True, metavar="FILE.gguf", help="GGUF file to write")
+  q.add_argument("--force", action="store_true", help="replace --out if it exists")
+  q.add_argument("--quiet", action="store_true", help="print nothing but errors")
+  q.set_defaults(fn=cmd_quantize)
 
   for register in _extra_commands():
     register(sub)

@@ -1,33 +1,49 @@
-"""A Hugging Face Llama checkpoint directory → a llama-architecture GGUF file (f32 or bf16).
+"""A Hugging Face Llama checkpoint directory → a llama-architecture GGUF file (f32, bf16, or
+ggml's Q8_0 / Q4_0 / Q4_1 blocks).
 
 The inverse of `bitdelta_jax.hf.gguf_import`, for running the same weights in llama.cpp (the
 CPU bench compares against it). Tensors are renamed to llama.cpp's names and the rows of every
 q_proj / k_proj head are permuted from HF's "rotate half" RoPE layout to the interleaved one
 ggml's RoPE reads (llama.cpp ``convert_hf_to_gguf.py`` ``LlamaModel.permute``; k_proj per kv
 head). In bf16 the 2-D weights are rounded to nearest even (``gguf.quants``, as ggml does) and
-the 1-D norm weights stay f32, as llama.cpp's own converter writes them. A tied LM head is the
+the 1-D norm weights stay f32, as llama.cpp's own converter writes them. In q8_0 / q4_0 / q4_1
+every 2-D weight (the linear layers, ``token_embd`` and an untied ``output``) is quantized with
+`pallas_kernels.quant_matmul.blocks.quantize_rows`, llama.cpp's reference quantizer bit for bit
+(``gguf.quants.quantize`` gives the same bytes), on the permuted ``[N, K]`` rows; the norms stay
+f32. (llama.cpp's ``llama-quantize`` keeps some tensors in other types by default, e.g. the
+output in Q6_K; this writer uses one format for every 2-D weight.) A tied LM head is the
 embedding: no ``output.weight`` is written.
+
+Tensors are streamed: the tensor table is written first from the safetensors headers (shapes and
+ggml types are known up front), then each tensor is read, permuted and converted in blocks of
+rows (`CHUNK_ELEMENTS`) and appended, so memory stays a few blocks whatever the model's size.
 
 The tokenizer metadata comes from ``tokenizer.json`` (byte-level BPE only: vocabulary, merges,
 added tokens as control / user-defined tokens) and ``tokenizer_config.json`` (BOS/EOS/UNK/PAD,
 ``add_bos_token``, the chat template). The pre-tokenizer is named for llama.cpp from its
 structure (``Digits`` then ``ByteLevel``: ``smollm``; ``ByteLevel`` alone: ``gpt2``).
 
-    path = write_gguf(hf_dir, "model-f32.gguf", dtype="f32")   # or dtype="bf16"
+    path = write_gguf(hf_dir, "model-q4_0.gguf", dtype="q4_0")  # f32 | bf16 | q8_0 | q4_0 | q4_1
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bitdelta_jax.hf.gguf_import import _LAYER_NAMES, _TOP_NAMES, GGUFImportError
+from pallas_kernels.quant_matmul.blocks import block_bytes, quantize_rows
 
-DTYPES = ("f32", "bf16")
+QUANTIZED = ("q8_0", "q4_0", "q4_1")
+DTYPES = ("f32", "bf16", *QUANTIZED)
+CHUNK_ELEMENTS = 1 << 20  # weights converted at once (4 MB in f32; the quantizer makes ~8 temporaries)
+_BLOCK = 32  # weights per ggml block, along K
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 
 _GGUF_LAYER = {hf: gg for gg, hf in _LAYER_NAMES.items()}
@@ -122,6 +138,22 @@ def tokenizer_metadata(hf_dir: str | os.PathLike, vocab_size: int) -> dict[str, 
   return out
 
 
+def ggml_type(dtype: str):
+  """The `gguf.GGMLQuantizationType` of a 2-D weight written in ``dtype``."""
+  import gguf
+
+  return getattr(gguf.GGMLQuantizationType, dtype.upper())
+
+
+def file_type(dtype: str):
+  """``general.file_type``: llama.cpp's ``LLAMA_FTYPE_*`` (ALL_F32 0, MOSTLY_BF16 32,
+  MOSTLY_Q4_0 2, MOSTLY_Q4_1 3, MOSTLY_Q8_0 7)."""
+  import gguf
+
+  return gguf.LlamaFileType.ALL_F32 if dtype == "f32" else getattr(
+    gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")
+
+
 def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name: str) -> None:
   import gguf
 
@@ -141,7 +173,9 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
   w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
   w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
   w.add_vocab_size(cfg["vocab_size"])
-  w.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "f32" else gguf.LlamaFileType.MOSTLY_BF16)
+  w.add_file_type(file_type(dtype))
+  if dtype in QUANTIZED:
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
   w.add_tokenizer_model("gpt2")
   w.add_tokenizer_pre(tok["pre"])
   w.add_token_list(tok["tokens"])
@@ -162,54 +196,156 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
     w.add_chat_template(tok["chat_template"])
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+  """One tensor of the file: where it comes from, what it becomes."""
+
+  hf_name: str
+  gguf_name: str
+  shape: tuple[int, ...]  # HF layout
+  dtype: str  # f32 | bf16 | q8_0 | q4_0 | q4_1
+  heads: int  # q/k: heads whose rows are permuted; else 0
+
+  @property
+  def nbytes(self) -> int:
+    n = int(np.prod(self.shape))
+    if self.dtype in QUANTIZED:
+      return n // _BLOCK * block_bytes(self.dtype)
+    return n * (2 if self.dtype == "bf16" else 4)
+
+
+def _plan(reader, cfg: dict[str, Any], dtype: str) -> list[_Planned]:
+  """Every tensor's name, shape and type, checked before any byte is written."""
+  heads = cfg["num_attention_heads"]
+  kv_heads = cfg.get("num_key_value_heads", heads)
+  names = reader.names()
+  if cfg.get("tie_word_embeddings") and "lm_head.weight" in names:
+    names.remove("lm_head.weight")  # the embedding is the head
+  plan = []
+  for hf_name in names:
+    shape = tuple(reader.info(hf_name).shape)
+    gg = gguf_tensor_name(hf_name)
+    if len(shape) != 2:
+      plan.append(_Planned(hf_name, gg, shape, "f32", 0))
+      continue
+    if dtype in QUANTIZED and shape[1] % _BLOCK:
+      raise GGUFExportError(
+        f"tensor {hf_name!r} ({gg}) is [{shape[0]}, {shape[1]}]: its input dimension "
+        f"K={shape[1]} is not a multiple of {_BLOCK}, the {dtype} block size")
+    n_heads = (heads if hf_name.endswith("q_proj.weight")
+               else kv_heads if hf_name.endswith("k_proj.weight") else 0)
+    if n_heads and shape[0] % (2 * n_heads):
+      raise GGUFExportError(
+        f"tensor {hf_name!r}: {shape[0]} rows do not split into {n_heads} heads of even size")
+    plan.append(_Planned(hf_name, gg, shape, dtype, n_heads))
+  return plan
+
+
+def _converted_chunks(reader, t: _Planned):
+  """The tensor's bytes in the file, a block of rows at a time (q/k blocks hold whole heads)."""
+  import gguf
+
+  rows = t.shape[0] if t.shape else 1
+  row_elems = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
+  step = max(1, CHUNK_ELEMENTS // max(row_elems, 1))
+  if t.heads:
+    head_rows = rows // t.heads
+    step = max(head_rows, step // head_rows * head_rows)
+  for r0 in range(0, rows, step):
+    a = np.asarray(reader.read_rows(t.hf_name, r0, r0 + step), np.float32)
+    if t.heads:
+      a = permute_rows(a, a.shape[0] // (rows // t.heads))
+    if t.dtype in QUANTIZED:
+      yield quantize_rows(a, t.dtype)
+    elif t.dtype == "bf16":
+      yield gguf.quants.quantize(np.ascontiguousarray(a), gguf.GGMLQuantizationType.BF16)
+    else:
+      yield np.ascontiguousarray(a)
+
+
 def write_gguf(
   hf_dir: str | os.PathLike,
   out_path: str | os.PathLike,
   *,
   dtype: str = "f32",
   name: str | None = None,
+  overwrite: bool = True,
 ) -> Path:
-  """Writes ``hf_dir``'s model (``model.safetensors``, one file) as a GGUF at ``out_path``
-  (through a temporary file, renamed when complete); returns the path."""
+  """Writes ``hf_dir``'s model (safetensors, one file or sharded) as a GGUF at ``out_path``;
+  returns the path.
+
+  Args:
+    dtype: the 2-D weights' type, one of `DTYPES` (norms are always f32).
+    name: ``general.name`` (default: the directory's name).
+    overwrite: replace an existing ``out_path``; False refuses one (`FileExistsError`), also
+      one that appears while writing.
+
+  The file is written beside ``out_path`` under a temporary name and renamed into place when
+  complete: a failed or interrupted write leaves no partial file at ``out_path``.
+
+  Raises:
+    GGUFExportError: an architecture or tensor this writer does not export (names it), e.g. a
+      2-D weight whose input dimension is not a multiple of 32 for q8_0 / q4_0 / q4_1.
+  """
   import gguf
-  from safetensors import safe_open
+
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader
 
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
   d, out = Path(hf_dir), Path(out_path)
+  if not d.is_dir():
+    raise GGUFExportError(f"{d}: not a checkpoint directory")
+  if not (d / "config.json").is_file():
+    raise GGUFExportError(f"{d}: no config.json")
+  if out.is_dir():
+    raise GGUFExportError(f"{out}: is a directory, not a file to write")
+  if not overwrite and out.exists():
+    raise FileExistsError(f"{out} exists (not replaced)")
   cfg = json.loads((d / "config.json").read_text())
   _check_config(cfg)
   tok = tokenizer_metadata(d, cfg["vocab_size"])
-  heads, kv_heads = (
-    cfg["num_attention_heads"],
-    cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
-  )
-  out.parent.mkdir(parents=True, exist_ok=True)
-  tmp = out.with_name(out.name + ".partial")
-  w = gguf.GGUFWriter(str(tmp), "llama")
-  _add_metadata(w, cfg, tok, dtype, name or d.name)
-  with safe_open(str(d / "model.safetensors"), framework="numpy") as f:
-    names = list(f.keys())
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" in names:
-      names.remove("lm_head.weight")  # the embedding is the head
-    for hf_name in names:
-      a = np.asarray(f.get_tensor(hf_name), dtype=np.float32)
-      if hf_name.endswith("q_proj.weight"):
-        a = permute_rows(a, heads)
-      elif hf_name.endswith("k_proj.weight"):
-        a = permute_rows(a, kv_heads)
-      a = np.ascontiguousarray(a)
-      if dtype == "bf16" and a.ndim >= 2:
-        w.add_tensor(
-          gguf_tensor_name(hf_name),
-          gguf.quants.quantize(a, gguf.GGMLQuantizationType.BF16),
-          raw_dtype=gguf.GGMLQuantizationType.BF16,
-        )
+  with CheckpointReader(d) as reader:
+    plan = _plan(reader, cfg, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.partial")  # mode from the umask
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    try:
+      _add_metadata(w, cfg, tok, dtype, name or d.name)
+      for t in plan:  # the tensor table first: every size is known without reading a tensor
+        if t.dtype == "f32":
+          w.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), t.nbytes)
+        elif t.dtype == "bf16":
+          w.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.uint16), t.nbytes,
+                            raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+          byte_shape = (t.shape[0], t.nbytes // t.shape[0])
+          w.add_tensor_info(t.gguf_name, byte_shape, np.dtype(np.uint8), t.nbytes,
+                            raw_dtype=ggml_type(t.dtype))
+      w.write_header_to_file()
+      w.write_kv_data_to_file()
+      w.write_ti_data_to_file()
+      # The data section, tensor by tensor in table order, each block of rows as it is made
+      # (GGUFWriter.write_tensor_data takes whole tensors only): each tensor starts on the
+      # file's alignment, as write_tensors_to_file places them.
+      fout = w.fout[0]
+      for t in plan:
+        w.write_padding(fout, fout.tell())
+        written = 0
+        for chunk in _converted_chunks(reader, t):
+          chunk.tofile(fout)
+          written += chunk.nbytes
+        if written != t.nbytes:
+          raise AssertionError(f"{t.hf_name}: wrote {written} bytes, planned {t.nbytes}")
+      w.write_padding(fout, fout.tell())
+      w.close()
+      if overwrite:
+        os.replace(tmp, out)
       else:
-        w.add_tensor(gguf_tensor_name(hf_name), a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-  os.replace(tmp, out)
+        os.link(tmp, out)  # no-clobber: fails if out_path appeared meanwhile
+        tmp.unlink()
+    except BaseException:
+      w.close()
+      tmp.unlink(missing_ok=True)
+      raise
   return out

@@ -187,7 +187,7 @@ def build_tokenizer(reader):
     raise GGUFImportError(f"GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2')")
   tokens = field(reader, "tokenizer.ggml.tokens")
   types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-  merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges")]
+  merges = [tuple(m.split(" ", 1)) for m in field(reader, "tokenizer.ggml.merges") or []]  # none: omitted
   vocab = {tok: i for i, tok in enumerate(tokens)}
   if len(vocab) != len(tokens):
     raise GGUFImportError("GGUF vocabulary has duplicate tokens")
@@ -263,9 +263,15 @@ def generation_config(cfg: dict[str, Any]) -> dict[str, Any]:
   return {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
 
 
-def write_hf_checkpoint(reader, out_dir: str | os.PathLike) -> dict[str, Any]:
-  """Writes the checkpoint files into the existing ``out_dir``; returns the config dict."""
+def dump_json(path: Path, obj: dict) -> None:
+  path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def write_config_files(reader, out_dir: str | os.PathLike) -> dict[str, Any]:
+  """Everything but the weights (config.json, generation_config.json, tokenizer.json,
+  tokenizer_config.json) into ``out_dir`` (created if missing); returns the config dict."""
   out = Path(out_dir)
+  out.mkdir(parents=True, exist_ok=True)
   cfg = hf_config(reader)
   tok = build_tokenizer(reader)
   if tok.get_vocab_size(with_added_tokens=True) != cfg["vocab_size"]:
@@ -273,13 +279,16 @@ def write_hf_checkpoint(reader, out_dir: str | os.PathLike) -> dict[str, Any]:
       f"tokenizer has {tok.get_vocab_size(with_added_tokens=True)} tokens, the model "
       f"{cfg['vocab_size']}"
     )
-  write_safetensors(reader, cfg, out / "model.safetensors")
   tok.save(str(out / "tokenizer.json"))
+  dump_json(out / "config.json", cfg)
+  dump_json(out / "generation_config.json", generation_config(cfg))
+  dump_json(out / "tokenizer_config.json", tokenizer_config(reader))
+  return cfg
 
-  def dump(name: str, obj: dict) -> None:
-    (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
-  dump("config.json", cfg)
-  dump("generation_config.json", generation_config(cfg))
-  dump("tokenizer_config.json", tokenizer_config(reader))
+def write_hf_checkpoint(reader, out_dir: str | os.PathLike) -> dict[str, Any]:
+  """Writes the checkpoint files into ``out_dir`` (created if missing); returns the config
+  dict."""
+  cfg = write_config_files(reader, out_dir)
+  write_safetensors(reader, cfg, Path(out_dir) / "model.safetensors")
   return cfg
