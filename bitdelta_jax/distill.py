@@ -343,6 +343,9 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   ``calibration``: a path (text / jsonl), a token array, or a list of (prompt, answer) task
   examples (encoded in the chat format and concatenated).
   """
+  from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+
+  base_dir = resolve_base(base_dir)
   cfg = cfg or DistillConfig()
   if steps is not None:
     cfg = dataclasses.replace(cfg, steps=steps)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import hmac
 import json
 import logging
@@ -543,6 +544,18 @@ def check_port(host: str, port: int) -> None:
                           "server running there? Choose another with --port") from None
 
 
+def with_gguf_base(cfg: ServerConfig) -> ServerConfig:
+  """``cfg`` with a ``.gguf`` base replaced by its metadata directory (config, tokenizer and a
+  pointer to the file: `bitdelta_jax.hf.gguf_checkpoint.resolve_base`); others as they are."""
+  if not str(cfg.base).endswith(".gguf"):
+    return cfg
+  from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+
+  if not Path(cfg.base).is_file():
+    raise ConfigError(f"base: {cfg.base} does not exist")
+  return dataclasses.replace(cfg, base=str(resolve_base(cfg.base)))
+
+
 def check_base_dir(cfg: ServerConfig) -> None:
   """What can be checked of ``cfg.base`` before the model loads, as `ConfigError`s naming
   the option: it is an HF model directory (not a delta, a file, nothing), its context holds
@@ -575,6 +588,7 @@ async def start_site(cfg: ServerConfig, *, shutdown_timeout: float = 60.0,
   """Checks, builds and starts the server; ``shutdown_timeout``: how long ``runner.cleanup``
   waits for handlers in flight before cancelling them (the CLI drains them first)."""
   check_port(cfg.host, cfg.port)
+  cfg = with_gguf_base(cfg)
   check_base_dir(cfg)
   app, server = build_app(cfg)
   # request bodies are decoded by serving.protocol.decode_body (JSON errors, bounded size)

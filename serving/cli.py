@@ -41,7 +41,8 @@ _FIELDS = {
 def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False) -> None:
   """The options shared by ``serve`` and ``demo``."""
   p.add_argument("--base", required=require_base, metavar="DIR",
-                 help="base model: an HF directory with tokenizer.json")
+                 help="base model: an HF directory with tokenizer.json, or a GGUF file (Q8_0, "
+                      "Q4_0, Q4_1 tensors served as stored)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=DELTA_DIR",
                  help="serve a variant: a delta directory or a PEFT LoRA adapter (repeatable)")
   p.add_argument("--kmerge-pool", metavar="POOL_DIR",
@@ -171,6 +172,7 @@ def config_from_args(args, *, base: str | None = None,
     d["base"] = args.base
   if "base" not in d:
     raise ConfigError("base: give --base DIR or a --config file with 'base'")
+
   flag_variants = _parse_variants(args.variant)
   if flag_variants:
     d["variants"] = {**dict(d.get("variants", {})), **dict(flag_variants)}
@@ -307,6 +309,9 @@ def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False)
   """
   logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
                       format="%(asctime)s %(name)s: %(message)s")
+  from serving.app import with_gguf_base
+
+  config = with_gguf_base(config)  # every process reads the same metadata directory
   if config.multi_process:
     import jax
 

@@ -8,6 +8,7 @@ built once per session and shared.
 from __future__ import annotations
 
 import functools
+import json
 import pathlib
 
 import jax
@@ -139,6 +140,46 @@ CHAT_TEMPLATE = (
   "{% else %}<{{ m['role'] }}> {{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
   "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
+
+
+BPE_TEXTS = ["Hello world, 1234 apples!", "  two  spaces\tand a tab",
+             "<|im_start|>user\nhi<|im_end|>"]
+
+
+def make_bpe_tokenizer(out_dir: pathlib.Path):
+  """A byte-level BPE like SmolLM2's (Digits then ByteLevel), trained on a few sentences, with
+  fewer tokens than the model's vocabulary (the rest become [PAD] tokens)."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+    [
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False),
+    ]
+  )
+  tok.decoder = decoders.ByteLevel()
+  tok.post_processor = processors.ByteLevel(trim_offsets=False)
+  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+  trainer = trainers.BpeTrainer(
+    vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+  )
+  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + BPE_TEXTS, trainer)
+  tok.save(str(out_dir / "tokenizer.json"))
+  (out_dir / "tokenizer_config.json").write_text(
+    json.dumps(
+      {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "chat_template": "{{ messages[0]['content'] }}",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+      }
+    )
+  )
+  return tok
+
 
 
 def make_tokenizer_dir(out_dir: pathlib.Path, vocab_size: int = 256) -> pathlib.Path:

@@ -293,11 +293,28 @@ def save_delta(out: str | os.PathLike, delta: Mapping[str, Entry], *, base_finge
     return w.finish(base_fingerprint=base_fingerprint, report=report, policy=policy, extra=extra)
 
 
-def fingerprint(tensors: Mapping[str, tuple[tuple[int, ...], str, int | None]]) -> dict:
-  """A base fingerprint from ``{name: (shape, dtype, crc32)}``; ``digest`` hashes it all."""
+def fingerprint(tensors: Mapping[str, tuple[tuple[int, ...], str, int | None]], *,
+                quantization: dict | None = None) -> dict:
+  """A base fingerprint from ``{name: (shape, dtype, crc32)}``; ``digest`` hashes it all.
+
+  ``quantization`` (a GGUF base: its file and formats, `gguf_checkpoint.quantization`) is
+  recorded beside the tensors for the error messages; the tensors of such a base are its
+  dequantized values, so it takes no part in the digest."""
   entries = {n: {"shape": list(s), "dtype": d, "crc32": c} for n, (s, d, c) in sorted(tensors.items())}
   digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
-  return {"tensors": entries, "digest": digest}
+  out = {"tensors": entries, "digest": digest}
+  if quantization:
+    out["quantization"] = quantization
+  return out
+
+
+def describe_base(base_fp: dict) -> str:
+  """``"a GGUF base (FILE: q4_1 ×210, ...)"`` or ``"an unquantized base"``."""
+  q = base_fp.get("quantization")
+  if not q:
+    return "an unquantized base"
+  formats = ", ".join(f"{f} ×{n}" for f, n in q.get("formats", {}).items())
+  return f"a GGUF base ({q.get('file')}: {formats})"
 
 
 def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
@@ -314,7 +331,8 @@ def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
       if a is not None and b is not None and a != b:
         raise DeltaMismatchError(
           f"{where} was made for a different base: tensor {n!r} {key} is {b} in this base, "
-          f"{a} in the delta's base"
+          f"{a} in the delta's base (the delta's: {describe_base(want)}; this one: "
+          f"{describe_base(base_fp)})"
         )
   extra = sorted(set(bt) - set(wt))
   if extra:

@@ -47,6 +47,7 @@ from bitdelta_jax.delta.store import (
   read_manifest,
   stored_embeddings,  # noqa: F401  (re-exported: its home was here)
 )
+from bitdelta_jax.hf.gguf_checkpoint import quantization, resolve_base
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
 CHUNK_BYTES = 32 << 20
@@ -308,6 +309,7 @@ def compress_checkpoints(
   manifest's ``embeddings`` is what was done ("1bit" when any vocabulary matrix is 1-bit),
   ``embeddings_choice`` says per tensor which and why. Added tokens' rows of a grown vocabulary
   are always kept exactly."""
+  base_dir = resolve_base(base_dir)  # FILE.gguf: Δ against its dequantized blocks
   if embeddings not in EMBEDDINGS_MODES:
     raise ValueError(f"embeddings must be one of {', '.join(map(repr, EMBEDDINGS_MODES))}, "
                      f"got {embeddings!r}")
@@ -357,7 +359,8 @@ def compress_checkpoints(
                      f"in {TOKENIZER_DIR}/ ({', '.join(tok)})")
       # Directory names only: a manifest records no absolute paths of the machine it was built on.
       return w.finish(
-        base_fingerprint=fingerprint(fp), report=Report(lines), policy=policy.to_dict(),
+        base_fingerprint=fingerprint(fp, quantization=quantization(base_dir)),
+        report=Report(lines), policy=policy.to_dict(),
         source={"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name},
         finetuned_config=_read_config(ft.path), warnings=warnings, notes=notes,
         tokenizer=TOKENIZER_DIR if tok else None, embeddings_choice=choices, extra=extra)
@@ -418,6 +421,7 @@ def _compress_vocab(name, base: CheckpointReader, ft: CheckpointReader, policy, 
 
 def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
   """The fingerprint of an HF base directory (reads every tensor when ``content``)."""
+  base_dir = resolve_base(base_dir)
   with CheckpointReader(base_dir) as r:
     ent = {}
     for n in r.names():
@@ -430,7 +434,7 @@ def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
           crc.update(r.read_rows(n, r0, r0 + step))
         c = crc.value
       ent[n] = (t.shape, t.dtype.name, c)
-  return fingerprint(ent)
+  return fingerprint(ent, quantization=quantization(base_dir))
 
 
 TOKENIZER_DIR = "tokenizer"
@@ -479,6 +483,7 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
   """
   manifest = read_manifest(delta_dir)
   delta_dir = Path(delta_dir)
+  base_dir = resolve_base(base_dir)
   with CheckpointReader(base_dir) as base:
     # Cheap structural check first (names, shapes, dtypes); content crc is checked per tensor.
     structural = fingerprint({n: (base.info(n).shape, base.info(n).dtype.name, None)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_kernels.bits import DEFAULT_GROUP_K, group_k_for, packed_rows, unpack_signs
@@ -41,8 +42,18 @@ from pallas_kernels.lm_head.api import packed_products_fused as _packed_products
 from pallas_kernels.lm_head.reference import (  # noqa: F401  (read here by an older test)
   packed_products_reference as _packed_products_reference,
 )
+from pallas_kernels.quant_matmul import QuantizedKernel, dequantize, quant_matmul, take_columns
 
 _init = nnx.initializers.normal(0.02)
+
+
+def dense_value(value) -> np.ndarray:
+  """A parameter's value as a numpy array; a `QuantizedKernel` dequantized to f32 (its
+  ``[K, N]`` orientation: an embedding table comes back as ``[D, V]``)."""
+  if isinstance(value, QuantizedKernel):
+    return dequantize(jax.tree.map(np.asarray, value))
+  return np.asarray(value)
+
 
 
 class SlotBank(nnx.Variable):
@@ -160,8 +171,12 @@ class DeltaDense(nnx.Module):
       bank = (self.delta_bits[...], self.delta_scale[...], ids)
     # The kernel API picks the implementation (few-rows CPU kernel, base product, delta kernel,
     # or the sharded callable in `implementation`); f32 so a LoRA term adds to it as before.
-    y = delta_matmul(x, self.kernel[...], *bank, group_k=self.group_k,
-                     implementation=self.implementation, preferred_element_type=jnp.float32)
+    w = self.kernel.get_value()
+    if isinstance(w, QuantizedKernel):  # a GGUF base, kept in its ggml blocks
+      y = quant_matmul(x, w, *bank, group_k=self.group_k, preferred_element_type=jnp.float32)
+    else:
+      y = delta_matmul(x, w, *bank, group_k=self.group_k, implementation=self.implementation,
+                       preferred_element_type=jnp.float32)
     y = y.reshape(b, t, self.out_features)
     if self.lora_a is not None and slot_ids is not None:
       y = jax.lax.cond(jnp.any(slot_ids > 0),
@@ -210,6 +225,7 @@ class Embed(nnx.Module):
 
   def __init__(self, vocab: int, dim: int, *, num_slots: int, dense_slots: bool, dtype, rngs,
                extra_vocab: int = 0, packed_slots: bool = False):
+    self.dtype = jnp.dtype(dtype)  # the activations' (a quantized table has none of its own)
     self.weight = nnx.Param(_init(rngs.params(), (vocab, dim), dtype))
     self.group_k = group_k_for(dim, DEFAULT_GROUP_K)
     packed = packed_slots and num_slots > 1  # 1-bit delta, per-token α: [S, D/8, V] + [S, V]
@@ -225,18 +241,20 @@ class Embed(nnx.Module):
     self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, ids_BxT: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    w = self.weight[...]
-    vocab = w.shape[0]
+    w = self.weight.get_value()
+    quantized = isinstance(w, QuantizedKernel)  # a GGUF table: [D, V] in ggml blocks
+    dim, vocab = w.shape if quantized else w.shape[::-1]
+    dtype = self.dtype if quantized else w.dtype
     is_extra = ids_BxT >= vocab
     base_ids = jnp.where(is_extra, 0, ids_BxT) if self.extra_weight is not None else ids_BxT
-    e = jnp.take(w, base_ids, axis=0)
+    e = take_columns(w, base_ids).astype(dtype) if quantized else jnp.take(w, base_ids, axis=0)
     if self.weight_delta is not None and slot_ids is not None:
       d = self.weight_delta[...][slot_ids[:, None], base_ids]
-      e = (e.astype(jnp.float32) + d).astype(w.dtype)
+      e = (e.astype(jnp.float32) + d).astype(dtype)
     if self.weight_bits is not None and slot_ids is not None:
       d = _packed_columns(self.weight_bits[...], self.weight_scale[...], slot_ids, base_ids,
-                          w.shape[1], self.group_k)
-      e = (e.astype(jnp.float32) + d).astype(w.dtype)
+                          dim, self.group_k)
+      e = (e.astype(jnp.float32) + d).astype(dtype)
     if self.extra_weight is not None and slot_ids is not None:
       bank = self.extra_weight[...]
       x = bank[slot_ids[:, None], jnp.clip(ids_BxT - vocab, 0, bank.shape[1] - 1)]
@@ -245,7 +263,8 @@ class Embed(nnx.Module):
 
   def attend(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     """Tied LM head: ``h · Eᵀ`` (+ per-slot ``h · ΔE[v]ᵀ``, + added tokens), f32 logits."""
-    logits = head_logits(h_BxTxD, self.weight[...], tied=True)
+    w = self.weight.get_value()  # a QuantizedKernel is [D, V]: `head_logits` knows
+    logits = head_logits(h_BxTxD, w, tied=True)
     if self.weight_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.weight_delta[...],
                                   self.weight_delta_used[...], slot_ids, "btd,vd->btv")
@@ -295,7 +314,7 @@ class LMHead(nnx.Module):
     self.extra_count = SlotBank(jnp.zeros((num_slots,), jnp.float32)) if grown else None
 
   def __call__(self, h_BxTxD: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
-    logits = head_logits(h_BxTxD, self.kernel[...], tied=False)
+    logits = head_logits(h_BxTxD, self.kernel.get_value(), tied=False)
     if self.kernel_delta is not None and slot_ids is not None:
       logits = _add_slot_products(logits, h_BxTxD, self.kernel_delta[...],
                                   self.kernel_delta_used[...], slot_ids, "btd,dv->btv")

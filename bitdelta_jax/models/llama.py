@@ -326,6 +326,8 @@ def stack_layers(model: LlamaForCausalLM, previous=None):
   flat = [jax.tree_util.tree_flatten(st) for st in states]
   leaves_by_layer = [f[0] for f in flat]
   treedef = flat[0][1]
+  if any(f[1] != treedef for f in flat[1:]):  # e.g. a GGUF whose layers mix ggml formats
+    return None
   old = previous[2] if previous is not None else {}
   stacked, memo = [], {}
   for j, per_layer in enumerate(zip(*leaves_by_layer)):

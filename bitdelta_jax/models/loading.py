@@ -28,10 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bitdelta_jax.hf.gguf_checkpoint import gguf_file, is_gguf_dir, resolve_base
 from bitdelta_jax.hf.safetensors_io import CheckpointError, CheckpointReader
 from bitdelta_jax.models.config import ConfigError, ModelConfig
-from bitdelta_jax.models.layers import SlotBank
+from bitdelta_jax.models.layers import SlotBank, dense_value
 from bitdelta_jax.models.llama import LlamaForCausalLM
+from pallas_kernels.quant_matmul import QuantizedKernel
 
 # Tensors some checkpoints carry that the forward pass does not use.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -90,7 +92,10 @@ def _build(
     if var_is_bank:
       return jnp.zeros(leaf.shape, leaf.dtype)
     name, transpose = hf_name(path)
-    arr = np.asarray(read(name))
+    arr = read(name)
+    if isinstance(arr, QuantizedKernel):  # a GGUF base: kept in its ggml blocks
+      return _quantized_param(arr, leaf, name, transpose, where)
+    arr = np.asarray(arr)
     if transpose:
       arr = arr.T
     if tuple(arr.shape) != tuple(leaf.shape):
@@ -109,6 +114,18 @@ def _build(
     filled[path] = fill(path, leaf)
   nnx.replace_by_pure_dict(state, _unflatten(filled))
   return nnx.merge(graphdef, state)
+
+
+def _quantized_param(qk: QuantizedKernel, leaf, name: str, transpose: bool, where: str):
+  """The blocks of a quantized tensor as the parameter's value (device arrays, no copy kept on
+  the host). A Linear kernel ``[K, N]`` and an embedding table ``[V, D]`` are both held as
+  ``[K, N]`` column blocks: the table as ``[D, V]`` (`Embed` reads its columns)."""
+  want = tuple(leaf.shape) if transpose else tuple(leaf.shape[::-1])
+  if tuple(qk.shape) != want:
+    raise CheckpointError(
+      f"{where}: tensor {name!r} ({qk.format}) has shape {list(qk.shape)[::-1]}, the config "
+      f"implies {list(want)[::-1]}")
+  return jax.tree.map(jnp.asarray, qk)
 
 
 def _unflatten(flat: dict[tuple, object]) -> dict:
@@ -136,7 +153,9 @@ def from_pretrained(
   """Loads ``config.json`` + safetensors from a local HF directory.
 
   Args:
-    path: the directory (single file or sharded with ``model.safetensors.index.json``).
+    path: the directory (single file or sharded with ``model.safetensors.index.json``), or a
+      GGUF base (``FILE.gguf`` or its metadata directory): Q8_0 / Q4_0 / Q4_1 tensors are kept
+      in their ggml blocks, and the activations are f32 unless ``dtype`` says otherwise.
     dtype: parameter/activation dtype; None uses the config's ``dtype``/``torch_dtype``.
     num_slots: variant-bank size (slot 0 = base); 1 builds the plain base model.
     dense_embedding_slots: give embeddings / LM head per-slot dense delta banks.
@@ -152,7 +171,7 @@ def from_pretrained(
     ConfigError: unsupported architecture or config field.
     CheckpointError: missing, unexpected or misshapen tensors.
   """
-  path = Path(path)
+  path = resolve_base(path)  # FILE.gguf: its metadata directory
   if variants:
     from bitdelta_jax.engine.bank_options import bank_options
 
@@ -166,6 +185,12 @@ def from_pretrained(
                     packed_embedding_slots=packed_embedding_slots)
   cfg = dataclasses.replace(cfg, delta_implementation=delta_implementation)
   dtype = _config_dtype(path) if dtype is None else dtype
+  if is_gguf_dir(path):  # the weights live in a GGUF file: quantized tensors stay in blocks
+    from bitdelta_jax.hf.gguf_base import open_gguf_base
+
+    gguf = gguf_file(path)
+    reader = open_gguf_base(gguf)
+    return _build(cfg, dtype, reader.names(), reader.read, str(gguf))
   reader = CheckpointReader(path)
   return _build(cfg, dtype, reader.names(), reader.read, str(path))
 
@@ -182,8 +207,8 @@ def base_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
   out = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, transpose = hf_name(path)
-    arr = np.asarray(var[...])
-    out[name] = arr.T if transpose else arr
+    arr = dense_value(var.get_value())
+    out[name] = arr.T if transpose or isinstance(var.get_value(), QuantizedKernel) else arr
   return out
 
 

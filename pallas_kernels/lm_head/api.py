@@ -31,7 +31,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bits import DEFAULT_GROUP_K
 from pallas_kernels.delta_matmul import cpu as delta_cpu
+from pallas_kernels.quant_matmul import QuantizedKernel, quant_matmul
 from pallas_kernels.small_matmul import cpu, cpu_bf16
 from pallas_kernels.small_matmul.api import one_cpu_device_reason
 
@@ -74,11 +76,17 @@ def fallback_reasons(rows: int, h_dtype, w_dtype, *, tied: bool) -> dict[str, st
 def logits(h: jax.Array, w: jax.Array, *, tied: bool,
            implementation: str | None = None) -> jax.Array:
   """f32 logits ``[..., V]`` of h ``[..., D]``: ``h · Eᵀ`` (``tied``, w ``E [V, D]``) or
-  ``h · W`` (w ``W [D, V]``)."""
+  ``h · W`` (w ``W [D, V]``). A ggml-quantized head or tied embedding
+  (`pallas_kernels.quant_matmul.QuantizedKernel`, always ``[D, V]``) goes to
+  `pallas_kernels.quant_matmul.quant_matmul`, which picks its own kernel."""
   *lead, d = h.shape
   rows = 1
   for size in lead:
     rows *= size
+  if isinstance(w, QuantizedKernel):
+    y = quant_matmul(h.reshape(rows, d), w, group_k=DEFAULT_GROUP_K,
+                     preferred_element_type=jnp.float32)
+    return y.reshape(*lead, -1)
   if implementation is None:
     reasons = fallback_reasons(rows, h.dtype, w.dtype, tied=tied)
     implementation = next(name for name, why in reasons.items() if why is None)

@@ -8,55 +8,20 @@ import json
 
 import numpy as np
 import pytest
-from model_fixtures import hf_logits, make_hf_model
+from model_fixtures import BPE_TEXTS as TEXTS
+from model_fixtures import hf_logits, make_bpe_tokenizer, make_hf_model
 
 from bitdelta_jax.hf import gguf_import
 from bitdelta_jax.hf.gguf_export import GGUFExportError, permute_rows, write_gguf
 
 VOCAB = 320
-TEXTS = ["Hello world, 1234 apples!", "  two  spaces\tand a tab", "<|im_start|>user\nhi<|im_end|>"]
-
-
-def _tokenizer(out_dir):
-  """A byte-level BPE like SmolLM2's (Digits then ByteLevel), trained on a few sentences, with
-  fewer tokens than the model's vocabulary (the rest become [PAD] tokens)."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-  tok = Tokenizer(models.BPE())
-  tok.pre_tokenizer = pre_tokenizers.Sequence(
-    [
-      pre_tokenizers.Digits(individual_digits=True),
-      pre_tokenizers.ByteLevel(add_prefix_space=False),
-    ]
-  )
-  tok.decoder = decoders.ByteLevel()
-  tok.post_processor = processors.ByteLevel(trim_offsets=False)
-  specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-  trainer = trainers.BpeTrainer(
-    vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-  )
-  tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20 + TEXTS, trainer)
-  tok.save(str(out_dir / "tokenizer.json"))
-  (out_dir / "tokenizer_config.json").write_text(
-    json.dumps(
-      {
-        "bos_token": "<|im_start|>",
-        "eos_token": "<|im_end|>",
-        "unk_token": "<|endoftext|>",
-        "add_bos_token": False,
-        "chat_template": "{{ messages[0]['content'] }}",
-        "tokenizer_class": "PreTrainedTokenizerFast",
-      }
-    )
-  )
-  return tok
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
   d = tmp_path_factory.mktemp("tiny_llama")
   model = make_hf_model("llama", d, vocab_size=VOCAB, tie_word_embeddings=True)
-  return model, d, _tokenizer(d)
+  return model, d, make_bpe_tokenizer(d)
 
 
 @pytest.fixture(scope="module")

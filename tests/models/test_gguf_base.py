@@ -1,0 +1,135 @@
+"""A GGUF base served as stored: its Q8_0 / Q4_0 / Q4_1 tensors stay in ggml blocks in the model,
+deltas are taken against the dequantized blocks, and a delta made for another base is refused.
+
+The references are independent of the quantized path: `gguf_import` dequantizes the same file to
+an f32 HF checkpoint (the `gguf` package's numpy code), which loads as a plain f32 model and which
+transformers runs too."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+from model_fixtures import forward, hf_logits, make_bpe_tokenizer, make_hf_model
+from pallas_kernels.quant_matmul import QuantizedKernel
+
+from bitdelta_jax.delta.store import DeltaMismatchError, load_delta
+from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints, fingerprint_checkpoint
+from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+from bitdelta_jax.hf.gguf_export import write_gguf
+from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
+from bitdelta_jax.models import from_pretrained
+from bitdelta_jax.models import slots as slots_lib
+
+pytestmark = pytest.mark.slow
+
+VOCAB = 320
+IDS = np.array([[5, 17, 42, 99, 3, 250, 7, 8, 301, 64, 11, 12]], np.int32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A tiny tied Llama with its fine-tune (every linear weight moved a little)."""
+  import torch
+
+  d = tmp_path_factory.mktemp("gguf_base")
+  model = make_hf_model("llama", d / "base", vocab_size=VOCAB, tie_word_embeddings=True)
+  make_bpe_tokenizer(d / "base")
+  ft = make_hf_model("llama", d / "ft", vocab_size=VOCAB, tie_word_embeddings=True)
+  with torch.no_grad():
+    for (_, p), (_, q) in zip(model.named_parameters(), ft.named_parameters()):
+      q.copy_(p + (0.02 * torch.randn_like(p) if p.ndim == 2 else 0))
+  ft.save_pretrained(d / "ft")
+  make_bpe_tokenizer(d / "ft")
+  return d, model, ft
+
+
+@pytest.fixture(scope="module", params=["q8_0", "q4_0", "q4_1"])
+def quantized(request, tiny):
+  """(format, GGUF file, its f32 dequantization as an HF directory)."""
+  import gguf
+
+  d = tiny[0]
+  fmt = request.param
+  path = write_gguf(d / "base", d / f"base-{fmt}.gguf", dtype=fmt)
+  ref = d / f"dequantized-{fmt}"
+  write_hf_checkpoint(gguf.GGUFReader(path), ref)
+  return fmt, path, ref
+
+
+def _quantized_params(model) -> dict[str, QuantizedKernel]:
+  out = {}
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    if isinstance(var.get_value(), QuantizedKernel):
+      out[".".join(map(str, path))] = var.get_value()
+  return out
+
+
+def test_blocks_stay_blocks_and_logits_match_the_dequantized_checkpoint(quantized):
+  fmt, path, ref = quantized
+  model = from_pretrained(path)
+  qs = _quantized_params(model)
+  # every linear layer and the tied embedding are held as blocks of the file's format
+  assert len(qs) == 2 * 7 + 1 and {q.format for q in qs.values()} == {fmt}
+  assert "model.embed_tokens.weight" in qs
+  dense = [p for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))
+           if not isinstance(v.get_value(), QuantizedKernel) and v.get_value().ndim == 2]
+  assert dense == []  # no dense 2-D base weight exists
+  want = forward(from_pretrained(ref, np.float32), IDS)
+  got = forward(model, IDS)
+  # the same weights: f32 sums in another order (the quantized kernel sums per block)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_dequantized_checkpoint_agrees_with_transformers(quantized):
+  """The reference itself: transformers on the dequantized f32 checkpoint."""
+  import transformers as tf
+
+  _, _, ref = quantized
+  hf = tf.LlamaForCausalLM.from_pretrained(ref, torch_dtype="float32").eval()
+  want = hf_logits(hf, IDS)
+  got = forward(from_pretrained(ref, np.float32), IDS)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_variant_over_quantized_base_equals_applied_checkpoint(quantized, tiny):
+  """Δ = W_ft − dequant(W_q) through the quantized kernel's delta term equals the HF checkpoint
+  ``dequant(W_q) + α·sign(Δ)`` that `apply_checkpoint` writes, run as a plain f32 model."""
+  fmt, path, _ = quantized
+  d = tiny[0]
+  delta_dir = d / f"delta-{fmt}"
+  m = compress_checkpoints(path, d / "ft", delta_dir, overwrite=True, progress=False)
+  assert m["base"]["quantization"] == {"file": path.name, "formats": {fmt: 15, "f32": 5}}
+  merged = apply_checkpoint(path, delta_dir, d / f"merged-{fmt}", overwrite=True, progress=False)
+  want = forward(from_pretrained(merged, np.float32), IDS)
+
+  model = from_pretrained(path, num_slots=2, variants=[delta_dir])
+  delta, _ = load_delta(delta_dir, base_fingerprint=fingerprint_checkpoint(resolve_base(path)))
+  slots_lib.load_variant(model, 1, delta)
+  got = forward(model, IDS, slot_ids=[1])
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  base = forward(model, IDS, slot_ids=[0])
+  np.testing.assert_allclose(base, forward(from_pretrained(path), IDS), rtol=1e-5, atol=1e-5)
+  assert np.abs(got - base).max() > 1e-2  # the delta does something
+
+
+def test_delta_for_another_base_is_refused_naming_both(quantized, tiny):
+  fmt, path, _ = quantized
+  d = tiny[0]
+  unquantized = d / "delta-f32-base"
+  if not unquantized.exists():
+    compress_checkpoints(d / "base", d / "ft", unquantized, progress=False)
+  with pytest.raises(DeltaMismatchError) as e:
+    load_delta(unquantized, base_fingerprint=fingerprint_checkpoint(resolve_base(path)))
+  msg = str(e.value)
+  assert "an unquantized base" in msg and fmt in msg and path.name in msg
+
+
+def test_metadata_directory_is_reused_and_holds_no_weights(quantized):
+  _, path, _ = quantized
+  a, b = resolve_base(path), resolve_base(path)
+  assert a == b and a.name == path.stem
+  assert not list(a.glob("*.safetensors"))
+  assert json.loads((a / "gguf_base.json").read_text())["gguf"] == str(path.resolve())
