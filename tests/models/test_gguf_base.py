@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from model_fixtures import forward, hf_logits, make_bpe_tokenizer, make_hf_model
-from pallas_kernels.quant_matmul import QuantizedKernel
 
 from bitdelta_jax.delta.store import DeltaMismatchError, load_delta
 from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints, fingerprint_checkpoint
@@ -22,6 +21,7 @@ from bitdelta_jax.hf.gguf_export import write_gguf
 from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models import slots as slots_lib
+from pallas_kernels.quant_matmul import QuantizedKernel
 
 pytestmark = pytest.mark.slow
 
