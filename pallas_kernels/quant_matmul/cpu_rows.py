@@ -1,0 +1,151 @@
+"""CPU path over a ggml-quantized base: ``x · dequant(W_q)`` and every slot's 1-bit delta in one
+call, the blocks dequantized in registers.
+
+Why: a decode step reads every weight once for a handful of rows, so its time is the weight
+bytes; Q8_0 / Q4_0 / Q4_1 blocks are 1.06 / 0.56 / 0.63 bytes per weight against 4 for f32.
+``cpu_rows_kernel.cc`` reads each block once per call, turns its 32 values into f32 vectors per
+16 columns, sums the rows' products over the block in registers and scales them by d at the
+block's end (+ m·Σx for Q4_1); a slot present in the batch adds ``α ⊙ (x·S)`` in a pass over its
+bit plane. 1-16 rows split K over the threads (decode); more rows (prefill chunks, up to
+`MAX_ROWS`) split the columns and dequantize each 32x16 tile once for every row
+(bench/results/quant_kernel.md).
+
+Numerics: x stays f32 (no ggml-style int8 activations); f32 products and sums in another order
+than `reference.quant_matmul_reference` (agrees to f32 rounding); y f32. Backend: host CPU,
+built on first use like `delta_matmul.cpu_rows` (``g++ -O3 -march=native``, the shared pool,
+``$BITDELTA_CPU_THREADS``); ``BITDELTA_QUANT_ROWS=0`` turns it off (read when a program is traced).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.native.build import build as build_native
+
+from .blocks import BLOCK, FORMATS, QuantizedKernel
+from .reference import quant_matmul_reference
+
+MAX_ROWS = 512
+_FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
+_SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
+_TARGET = "bitdelta_quant_rows"
+
+
+def _build(arch: tuple[str, ...] | None = None):
+  return build_native(_SOURCE, "quant_rows", include_dirs=(jax.ffi.include_dir(),),
+                      key_extra=jax.__version__.encode(), arch=arch)
+
+
+@functools.cache
+def _load() -> str | None:
+  """Builds and registers the kernel once; None, or why it cannot run here."""
+  lib, reason = _build()
+  if lib is None:
+    return f"the quantized CPU rows kernel cannot be built: {reason}"
+  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaQuantRows), platform="cpu")
+  return None
+
+
+def build_target(arch: tuple[str, ...], target: str) -> None:
+  """Builds the kernel with target flags ``arch`` (``()``: portable vectors) and registers it
+  as ``target`` (pass it to `rows_call`): for tests of the paths this machine's build skips."""
+  lib, reason = _build(arch)
+  if lib is None:
+    raise RuntimeError(f"the quantized CPU rows kernel cannot be built with {arch}: {reason}")
+  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaQuantRows), platform="cpu")
+
+
+def unavailable_reason() -> str | None:
+  """None if the kernel can run in this process (one CPU device, built), else why not."""
+  from pallas_kernels.platform import target_platform
+
+  if os.environ.get("BITDELTA_QUANT_ROWS") == "0":
+    return "turned off by BITDELTA_QUANT_ROWS=0"
+  if target_platform() != "cpu":
+    return f"the quantized rows kernel runs on the host CPU; the target platform is {target_platform()!r}"
+  if jax.device_count() != 1:
+    return (f"the quantized rows kernel runs on one device; this process has "
+            f"{jax.device_count()} (its FFI call does not partition)")
+  return _load()
+
+
+def shapes_supported(rows: int, qk: QuantizedKernel) -> str | None:
+  """None if the kernel takes ``rows`` rows times ``qk``, else why not."""
+  if qk.format not in FORMATS:
+    return f"format {qk.format!r}: the quantized rows kernel takes {', '.join(FORMATS)}"
+  k, n = qk.shape
+  if k % BLOCK:
+    return f"K={k} is not a multiple of the {BLOCK}-weight block"
+  if not 1 <= rows <= MAX_ROWS:
+    return (f"{rows} rows: the quantized rows kernel takes 1 to {MAX_ROWS} (more: the reference's "
+            "GEMM over the dequantized matrix)")
+  want = jnp.int8 if qk.format == "q8_0" else jnp.uint8
+  if qk.qs.dtype != want or qk.qs.shape != (k // BLOCK, 32 if qk.format == "q8_0" else 16, n):
+    return f"qs {qk.qs.dtype}{tuple(qk.qs.shape)} is not {qk.format}'s column-block layout"
+  return None
+
+
+def rows_call(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
+              scale: jax.Array | None = None, slot_ids: jax.Array | None = None, *,
+              group_k: int = 8, target: str = _TARGET) -> jax.Array:
+  """f32 ``[M, N]``: ``x · dequant(qk)`` plus, for each row m with ``slot_ids[m] > 0``,
+  ``α_s ⊙ (x[m] · S_s)``. One variant for every row: bits ``[KP, N]``, scale ``[1|N]``,
+  slot_ids None (read in place). A bank: bits ``[S, KP, N]``, scale ``[S, 1|N]``, slot_ids
+  ``[M]`` (0: the base). bits None: the plain product (no zero bank is built). Differentiable
+  in x and scale (the reference's backward pass); the blocks are constants."""
+  if target == _TARGET and (reason := _load()):
+    raise NotImplementedError(reason)
+  if reason := shapes_supported(x.shape[0], qk):
+    raise NotImplementedError(reason)
+  kernel = functools.partial(_kernel, group_k=group_k, target=target)
+
+  @jax.custom_vjp
+  def f(x, scale, qk, bits, slot_ids):
+    return kernel(x, scale, qk, bits, slot_ids)
+
+  def fwd(x, scale, qk, bits, slot_ids):
+    return kernel(x, scale, qk, bits, slot_ids), (x, scale, qk, bits, slot_ids)
+
+  def bwd(res, ct):
+    x, scale, qk, bits, slot_ids = res
+    if bits is None:
+      _, vjp = jax.vjp(lambda x: quant_matmul_reference(x, qk, group_k=group_k), x)
+      return (*vjp(ct), None, None, None, None)
+    _, vjp = jax.vjp(lambda x, s: quant_matmul_reference(x, qk, bits, s, slot_ids,
+                                                         group_k=group_k), x, scale)
+    return (*vjp(ct), None, None, None)
+
+  f.defvjp(fwd, bwd)
+  return f(x, scale, qk, bits, slot_ids)
+
+
+def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target):
+  m, n = x.shape[0], qk.shape[1]
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32),
+                          vmap_method="sequential")
+  d = qk.d.astype(jnp.float16)
+  mins = d if qk.m is None else qk.m.astype(jnp.float16)  # q8_0 / q4_0: unread
+  first = 0
+  if bits is None:  # the plain product: one-element placeholders, no [S, KP, N] zeros
+    bits = jnp.zeros((1, 1, 1), jnp.uint8)
+    scale = jnp.zeros((1, 1), jnp.float32)
+    slot_ids = jnp.zeros((1,), jnp.int32)
+    delta = 0
+  elif bits.ndim == 2:  # one variant: bank row 0 is slot 1, every row's slot
+    bits = bits.reshape(1, *bits.shape)  # a view: no copy of the bits
+    scale = jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (n,)).reshape(1, n)
+    slot_ids = jnp.ones((m,), jnp.int32)
+    first, delta = 1, 1
+  else:
+    scale = jnp.broadcast_to(scale.astype(jnp.float32), (bits.shape[0], n))
+    slot_ids = slot_ids.astype(jnp.int32)
+    delta = 1
+  return call(x.astype(jnp.float32), qk.qs, d, mins, bits.astype(jnp.uint8), scale, slot_ids,
+              fmt=np.int64(_FORMAT_ID[qk.format]), group_k=np.int64(group_k),
+              first_slot=np.int64(first), delta=np.int64(delta))
