@@ -6,35 +6,38 @@
 // the group-local bit-plane layout (`pallas_kernels/bits.py`); α_s one f32 per column.
 // x and y f32 (activations are not quantized: no ggml-style q8 activations).
 //
-// Why: a decode step reads every weight once for a handful of rows, so its time is the bytes
-// of W; the blocks are 0.53-0.63 bytes per weight against 4 for f32. Each block is read once
-// per call and dequantized in registers: per 16 columns, the block's 32 values become f32
-// vectors (int8 or nibble → int32 → f32; q4_0's −8 applied on the bytes), the rows' partial sums
-// over the block are FMA'd in registers and multiplied by d at the block's end (+ m·Σ_block x
-// for q4_1, as ggml does). Up to kFuseRows rows take the values straight from registers; more
-// rows dequantize the 32x16 tile once into an L1 buffer and run every row over it, so the
-// dequantization is paid once per tile whatever the number of rows (prefill chunks).
-// The delta: after the thread's block pass, each slot present adds α_s ⊙ (x · S_s) in one pass
-// over its bit plane: per packed byte row (8 rows of K) and 16 columns, the bits are widened
-// once and each of the 8 rows' ±α vector is a sign select; a slot costs its bits (1 bit per
-// weight) and ~2 vector operations per 16 weights, plus one FMA per row.
-// Threads: up to kSplitKRows rows split K (each thread streams a contiguous run of blocks
-// front to back into its own [M, N] partials, summed at the end, as the f32 rows kernel); more
-// rows split the columns (each thread writes its columns of y directly, no partials) and walk
-// column panels sized so the panel's [M, NP] sums stay in L2.
+// Why: a decode step reads every weight once for a handful of rows; the blocks are 0.56-1.06
+// bytes a weight against 4 for f32, so turning them into numbers costs as much as reading them.
+// Each block is read once per pass of up to 16 rows: per 8 columns its values are widened to
+// f32 in registers (AVX2: vpmovsx/zxbd + vcvtdq2ps; q4_0's nibble − 8 exactly by xor 0x88,
+// sign extension and shifts) and FMA'd into the per-block partial sums P of up to 8 rows
+// (R rows x C vectors in registers, R·C ≈ 8 independent chains), then y += d·P (+ m·Σ_block x
+// for q4_1, ggml's factored order). Threads take column ranges of at least kMinCols first (no
+// partials), then runs of whole blocks along K (their own [M, N] partials, added at the end).
+// A slot present adds α_s ⊙ (x·S_s) after the task's blocks, reading its bit plane once:
+// x·S = 2·x·B − Σx, where 2·x·B is three lookups per packed byte (8 rows of K) and 8 columns
+// into 8-entry tables of subset sums of the byte's x values (vpermps; the f32 kernel's
+// `LutDelta` uses 16-entry AVX-512 tables the same way). More than 16 rows (prefill chunks):
+// passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
+// (8 per weight per pass), not the re-reads (bench/results/quant_kernel.md).
 //
-// Numerics: f32 products and sums; per block Σ x·q in f32 (q exact), times d (f16 widened
-// exactly), + m·Σx; the delta adds x·(±α) in f32. Agrees with the f64 definition to f32
-// rounding of these sums. Vectors are GCC vector extensions (AVX-512 or AVX2 halves).
+// Numerics: per block Σ x·q in f32 (q exact small integers), times d (f16 widened exactly),
+// + m·Σx for q4_1 (so q4_1's rounding scales with |d·q| + |m|, not |d·q + m|); the delta as
+// the f32 kernel's lookups, α·(2·x·B − Σx) (a non-finite α reaches only its slot's rows).
+// f32 sums in another order than `reference.quant_matmul_reference`: agrees to f32 rounding.
+// Backend: AVX2 + FMA + F16C intrinsics (-march=native; AVX-512 CPUs run the same 256-bit
+// code); without them plain scalar loops (the portable build: correctness, not speed).
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #include "pool.h"  // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QROWS_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -44,399 +47,385 @@ namespace {
 
 using bitdelta_native::Pool;
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-typedef uint8_t b16v __attribute__((vector_size(16)));
-typedef int8_t s16v __attribute__((vector_size(16)));
-
-enum Format { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
-
+enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 constexpr int64_t kBlock = 32;
-constexpr int kFuseRows = 4;      // rows whose values come straight from registers
-constexpr int kRowTile = 4;       // rows per register tile over the L1 buffer
-constexpr int64_t kSplitKRows = 16;  // up to this many rows: threads split K, else columns
-
-inline v16 load16(const float* p) { v16 v; std::memcpy(&v, p, 64); return v; }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, 64); }
-
-inline float half1(const uint16_t* p) {
-  _Float16 h;
-  std::memcpy(&h, p, 2);
-  return float(h);
-}
-
-inline v16 half16(const uint16_t* p) {
-#if defined(__AVX512F__)
-  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  v16 r;
-  std::memcpy(&r, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
-  return r;
-#else
-  alignas(64) float f[16];
-  for (int i = 0; i < 16; ++i) f[i] = half1(p + i);
-  return load16(f);
+constexpr int64_t kRowsPerPass = 16;
+constexpr int kMaxTileRows = 8;
+// Columns a task takes at least before the work is split over K as well. On 2 threads (K = N =
+// 4096, 1536 x 576, 576 x 1536; 1 and 8 rows) column and K tasks timed the same within noise;
+// columns need no partials to add up.
+#ifndef BITDELTA_QROWS_MIN_COLS
+#define BITDELTA_QROWS_MIN_COLS 256
 #endif
-}
+constexpr int64_t kMinCols = BITDELTA_QROWS_MIN_COLS;
 
-inline v16 widen_s8(s16v b) { return __builtin_convertvector(__builtin_convertvector(b, i16v), v16); }
-
-// 16 int8 weights (q8_0)
-inline v16 q8_16(const uint8_t* p) { s16v b; std::memcpy(&b, p, 16); return widen_s8(b); }
-
-// 16 bytes → weights j (low nibbles) and j + 16 (high nibbles); q4_0 centred on the bytes
-template <int F>
-inline void q4_16(const uint8_t* p, v16* lo, v16* hi) {
-  b16v b;
-  std::memcpy(&b, p, 16);
-  b16v l = b & 15, h = b >> 4;
-  if constexpr (F == kQ4_0) {
-    *lo = widen_s8(s16v(l) - 8);
-    *hi = widen_s8(s16v(h) - 8);
-  } else {
-    *lo = widen_s8(s16v(l));  // 0..15: the same as unsigned
-    *hi = widen_s8(s16v(h));
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+  uint32_t u;
+  if (exp == 0x1f) {
+    u = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    u = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    u = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { ++e; m <<= 1; } while (!(m & 0x400));
+    u = sign | uint32_t(112 - e) << 23 | ((m & 0x3ff) << 13);
   }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
 }
 
-// α where the bit in t's sign position is set, else −α
-inline v16 sign_select(u16v t, v16 a, v16 na) {
-#if defined(__AVX512F__)
-  const __mmask16 k = _mm512_movepi32_mask((__m512i)t);
-  return (v16)_mm512_mask_blend_ps(k, (__m512)na, (__m512)a);
-#elif defined(__AVX2__)
-  __m256 r[2];
-  for (int h = 0; h < 2; ++h) {
-    __m256 av, nv, tv;
-    std::memcpy(&av, reinterpret_cast<const char*>(&a) + 32 * h, 32);
-    std::memcpy(&nv, reinterpret_cast<const char*>(&na) + 32 * h, 32);
-    std::memcpy(&tv, reinterpret_cast<const char*>(&t) + 32 * h, 32);
-    r[h] = _mm256_blendv_ps(nv, av, tv);
-  }
-  v16 out;
-  std::memcpy(&out, r, 64);
-  return out;
-#else
-  return i16v(t) < 0 ? a : na;
-#endif
-}
-
-struct Args {
-  const float* x;      // [M, K]
-  const float* sx;     // [M, K/32]: Σ_block x (q4_1)
-  const uint8_t* qs;   // [K/32, QR, N]
-  const uint16_t* d;   // [K/32, N] f16
-  const uint16_t* m;   // [K/32, N] f16 (q4_1)
-  const uint8_t* bits;  // [S, KP, N]
-  const float* scale;   // [S, N]
-  int64_t M, K, N, KP, G, first;
-  const std::vector<std::pair<int64_t, std::vector<int64_t>>>* slots;  // (slot, rows), slot > 0
+struct Group {
+  int64_t slot;
+  std::vector<int64_t> rows;  // within the pass
 };
 
-constexpr int QRows(int F) { return F == kQ8_0 ? 32 : 16; }
+// One pass: up to kRowsPerPass rows.
+struct Pass {
+  const float* x;        // [M, K]
+  const float* sx;       // [M, nb]: Σ x over each block (Q4_1 and the deltas)
+  int64_t M;
+  const std::vector<Group>* slots;  // the slots present (s > 0) with their rows
+};
 
-// acc[r, n:n+16] += block b's product for R rows (values dequantized on the fly). Chains: more
-// independent partial sums for fewer rows (an FMA's latency, not its throughput, bounds one
-// chain).
-template <int F, int R>
-inline void FusedTile(const Args& a, float* acc, const int64_t* rows, int64_t b, int64_t n) {
-  constexpr int C = R == 1 ? 4 : R == 2 ? 2 : 1;
-  const int64_t N = a.N, K = a.K, k = b * kBlock;
-  const uint8_t* q = a.qs + b * QRows(F) * N + n;
-  const float* xr[R];
-  for (int i = 0; i < R; ++i) xr[i] = a.x + rows[i] * K + k;
-  v16 s[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) s[i][c] = v16{};
-  if constexpr (F == kQ8_0) {
-#pragma GCC unroll 32
-    for (int j = 0; j < 32; ++j) {
-      const v16 w = q8_16(q + j * N);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) s[i][j % C] += xr[i][j] * w;
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      v16 lo, hi;
-      q4_16<F>(q + j * N, &lo, &hi);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        s[i][(2 * j) % C] += xr[i][j] * lo;
-        s[i][(2 * j + 1) % C] += xr[i][j + 16] * hi;
-      }
-    }
-  }
-  const v16 dv = half16(a.d + b * N + n);
-  v16 mv{};
-  if constexpr (F == kQ4_1) mv = half16(a.m + b * N + n);
-  for (int i = 0; i < R; ++i) {
-    v16 t = s[i][0];
-    for (int c = 1; c < C; ++c) t += s[i][c];
-    float* o = acc + rows[i] * N + n;
-    v16 y = load16(o) + dv * t;
-    if constexpr (F == kQ4_1) y += a.sx[rows[i] * (K / kBlock) + b] * mv;
-    store16(o, y);
-  }
+struct Args {
+  int64_t K, N, nb, qrows;  // qrows: 32 (Q8_0) or 16 (nibbles)
+  Format fmt;
+  const uint8_t* qs;   // [nb, qrows, N]
+  const uint16_t* d;   // [nb, N] f16
+  const uint16_t* m;   // [nb, N] f16 (Q4_1)
+  const uint8_t* bits;  // [S, KP, N]
+  const float* scale;   // [S, N]
+  int64_t KP, G, first;
+};
+
+// the weight of block b, in-block row j (0..31), column n, without d (and m): q, or q − 8
+inline float qvalue(const Args& a, int64_t b, int j, int64_t n) {
+  if (a.fmt == kQ8_0) return float(int8_t(a.qs[(b * 32 + j) * a.N + n]));
+  const uint8_t byte = a.qs[(b * 16 + (j & 15)) * a.N + n];
+  const int v = j < 16 ? byte & 15 : byte >> 4;
+  return float(a.fmt == kQ4_0 ? v - 8 : v);
 }
 
-// The tile's 32 values per column, dequantized once (d not applied) into an L1 buffer.
-template <int F>
-inline void DequantTile(const Args& a, int64_t b, int64_t n, v16* w) {
-  const int64_t N = a.N;
-  const uint8_t* q = a.qs + b * QRows(F) * N + n;
-  if constexpr (F == kQ8_0) {
-#pragma GCC unroll 32
-    for (int j = 0; j < 32; ++j) w[j] = q8_16(q + j * N);
-  } else {
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) q4_16<F>(q + j * N, &w[j], &w[j + 16]);
-  }
-}
-
-template <int F, int R>
-inline void BufferTile(const Args& a, float* acc, const int64_t* rows, int64_t b, int64_t n,
-                       const v16* w, v16 dv, v16 mv) {
-  const int64_t N = a.N, K = a.K, k = b * kBlock;
-  const float* xr[R];
-  for (int i = 0; i < R; ++i) xr[i] = a.x + rows[i] * K + k;
-  v16 s[R][2];
-  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = v16{};
-#pragma GCC unroll 32
-  for (int j = 0; j < 32; ++j)
-#pragma GCC unroll 4
-    for (int i = 0; i < R; ++i) s[i][j & 1] += xr[i][j] * w[j];
-  for (int i = 0; i < R; ++i) {
-    float* o = acc + rows[i] * N + n;
-    v16 y = load16(o) + dv * (s[i][0] + s[i][1]);
-    if constexpr (F == kQ4_1) y += a.sx[rows[i] * (K / kBlock) + b] * mv;
-    store16(o, y);
-  }
-}
-
-// one column past the last full vector, block b, every row (scalar)
-template <int F>
-void ScalarColumn(const Args& a, float* acc, int64_t b, int64_t n) {
-  const int64_t N = a.N, K = a.K;
-  float w[32];
-  const uint8_t* q = a.qs + b * QRows(F) * N + n;
-  for (int j = 0; j < QRows(F); ++j) {
-    if constexpr (F == kQ8_0) {
-      w[j] = float(int8_t(q[j * N]));
-    } else {
-      const int off = F == kQ4_0 ? 8 : 0;
-      w[j] = float(int(q[j * N] & 15) - off);
-      w[j + 16] = float(int(q[j * N] >> 4) - off);
-    }
-  }
-  const float dv = half1(a.d + b * N + n);
-  const float mv = F == kQ4_1 ? half1(a.m + b * N + n) : 0.f;
-  for (int64_t r = 0; r < a.M; ++r) {
-    const float* xr = a.x + r * K + b * kBlock;
-    float s = 0.f;
-    for (int j = 0; j < 32; ++j) s += xr[j] * w[j];
-    float y = acc[r * N + n] + dv * s;
-    if constexpr (F == kQ4_1) y += mv * a.sx[r * (K / kBlock) + b];
-    acc[r * N + n] = y;
-  }
-}
-
-// acc[:, c0:c1] += x[:, blocks b0..b1] · dequant(W)[blocks b0..b1, c0:c1] (c0, c1 multiples of
-// 16 or c1 = N: the columns past the last vector are scalar).
-template <int F>
-void BlockPass(const Args& a, float* acc, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
-               const int64_t* all_rows) {
-  const int64_t N = a.N, M = a.M, QR = QRows(F);
-  const int64_t v1 = std::min(c1, N / 16 * 16);
-  // a panel of columns whose [M, NP] sums stay in L2 (decode: every column at once)
-  const int64_t np = M <= kSplitKRows ? std::max<int64_t>(v1 - c0, 16)
-                                      : std::max<int64_t>(16, (32768 / M) / 16 * 16);
-  alignas(64) v16 w[32];
-  for (int64_t p0 = c0; p0 < v1; p0 += np) {
-    const int64_t p1 = std::min(v1, p0 + np);
-    for (int64_t b = b0; b < b1; ++b) {
-      const bool more = b + 1 < b1;
-      for (int64_t n = p0; n < p1; n += 16) {
-        if (more && (n & 63) == 0) {  // the next block's lines at these columns, into L2
-          const uint8_t* nq = a.qs + (b + 1) * QR * N + n;
-          for (int64_t j = 0; j < QR; ++j) __builtin_prefetch(nq + j * N, 0, 2);
-          __builtin_prefetch(a.d + (b + 1) * N + n, 0, 2);
-          if (F == kQ4_1) __builtin_prefetch(a.m + (b + 1) * N + n, 0, 2);
-        }
-        if (M <= kFuseRows) {
-          switch (M) {
-            case 1: FusedTile<F, 1>(a, acc, all_rows, b, n); break;
-            case 2: FusedTile<F, 2>(a, acc, all_rows, b, n); break;
-            case 3: FusedTile<F, 3>(a, acc, all_rows, b, n); break;
-            default: FusedTile<F, 4>(a, acc, all_rows, b, n); break;
-          }
-          continue;
-        }
-        DequantTile<F>(a, b, n, w);
-        const v16 dv = half16(a.d + b * N + n);
-        v16 mv{};
-        if constexpr (F == kQ4_1) mv = half16(a.m + b * N + n);
-        int64_t i = 0;
-        for (; i + kRowTile <= M; i += kRowTile)
-          BufferTile<F, kRowTile>(a, acc, all_rows + i, b, n, w, dv, mv);
-        switch (M - i) {
-          case 1: BufferTile<F, 1>(a, acc, all_rows + i, b, n, w, dv, mv); break;
-          case 2: BufferTile<F, 2>(a, acc, all_rows + i, b, n, w, dv, mv); break;
-          case 3: BufferTile<F, 3>(a, acc, all_rows + i, b, n, w, dv, mv); break;
-          default: break;
-        }
-      }
-    }
-  }
-  if (c1 == N)
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t n = N / 16 * 16; n < N; ++n) ScalarColumn<F>(a, acc, b, n);
-}
-
-// acc[r, c0:c1] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1, c0:c1]) for every slot's rows: per packed
-// byte row (rows g*G + j*P + p of K, j = 0..7) the 16 columns' bytes are widened once and bit
-// j selects +α or −α; rows of K outside [k0, k1) count with x = 0.
-void DeltaPass(const Args& a, float* acc, int64_t k0, int64_t k1, int64_t c0, int64_t c1) {
-  const int64_t N = a.N, K = a.K, G = a.G, P = G / 8;
-  const int64_t v1 = std::min(c1, N / 16 * 16);
-  thread_local std::vector<float> xv_buf;
-  for (const auto& [slot, rows] : *a.slots) {
-    const int64_t nr = int64_t(rows.size());
-    xv_buf.resize(nr * 8);
-    float* xv = xv_buf.data();
-    const uint8_t* plane = a.bits + (slot - a.first) * a.KP * N;
-    const float* al = a.scale + (slot - a.first) * N;
-    for (int64_t g = k0 / G; g * G < k1; ++g)
-      for (int64_t p = 0; p < P; ++p) {
-        bool any = false;
-        for (int j = 0; j < 8; ++j) {
-          const int64_t k = g * G + j * P + p;
-          const bool in = k >= k0 && k < k1;
-          any |= in;
-          for (int64_t i = 0; i < nr; ++i) xv[i * 8 + j] = in ? a.x[rows[i] * K + k] : 0.f;
-        }
-        if (!any) continue;
-        const uint8_t* br = plane + (g * P + p) * N;
-        for (int64_t n = c0; n < v1; n += 16) {
-          b16v bb;
-          std::memcpy(&bb, br + n, 16);
-          const u16v bw = __builtin_convertvector(bb, u16v);
-          const v16 av = load16(al + n), na = -av;
-          v16 sa[8];
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) sa[j] = sign_select(bw << (31 - j), av, na);
-          for (int64_t i = 0; i < nr; ++i) {
-            float* o = acc + rows[i] * N + n;
-            const float* xi = xv + i * 8;
-            v16 s0 = xi[0] * sa[0], s1 = xi[1] * sa[1];
-#pragma GCC unroll 8
-            for (int j = 2; j < 8; j += 2) {
-              s0 += xi[j] * sa[j];
-              s1 += xi[j + 1] * sa[j + 1];
-            }
-            store16(o, load16(o) + (s0 + s1));
-          }
-        }
-        if (c1 == N)
-          for (int64_t n = N / 16 * 16; n < N; ++n)
-            for (int j = 0; j < 8; ++j) {
-              const float s = (br[n] >> j) & 1 ? al[n] : -al[n];
-              for (int64_t i = 0; i < nr; ++i) acc[rows[i] * N + n] += xv[i * 8 + j] * s;
-            }
-      }
-  }
-}
-
-template <int F>
-void Work(const Args& a, float* acc, int64_t b0, int64_t b1, int64_t c0, int64_t c1,
-          const int64_t* all_rows) {
-  for (int64_t r = 0; r < a.M; ++r) std::fill(acc + r * a.N + c0, acc + r * a.N + c1, 0.f);
-  BlockPass<F>(a, acc, b0, b1, c0, c1, all_rows);
-  if (!a.slots->empty()) DeltaPass(a, acc, b0 * kBlock, b1 * kBlock, c0, c1);
-}
-
-ffi::Error Run(int fmt, const Args& a0, float* y) {
-  Args a = a0;
-  const int64_t M = a.M, K = a.K, N = a.N, nb = K / kBlock;
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  std::vector<int64_t> all_rows(M);
-  for (int64_t r = 0; r < M; ++r) all_rows[r] = r;
-  std::vector<float> sx;
-  if (fmt == kQ4_1) {
-    sx.resize(M * nb);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
+// acc[r, n0:n1] += x[r, blocks b0:b1] · dequant(W)[..., n0:n1], one column at a time
+void BaseScalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+                int64_t n1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t n = n0; n < n1; ++n) {
+      const float d = half_to_float(a.d[b * a.N + n]);
+      const float mm = a.fmt == kQ4_1 ? half_to_float(a.m[b * a.N + n]) : 0.f;
+      for (int64_t r = 0; r < p.M; ++r) {
+        const float* x = p.x + r * a.K + b * kBlock;
         float s = 0.f;
-        for (int j = 0; j < kBlock; ++j) s += a.x[r * K + b * kBlock + j];
-        sx[r * nb + b] = s;
+        for (int j = 0; j < 32; ++j) s += x[j] * qvalue(a, b, j, n);
+        float& y = acc[r * a.N + n];
+        y += d * s;
+        if (a.fmt == kQ4_1) y += mm * p.sx[r * a.nb + b];
       }
-    a.sx = sx.data();
+    }
+}
+
+// acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1, n0:n1]) for every slot's rows, one bit at a time
+void DeltaScalar(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int64_t n0,
+                 int64_t n1) {
+  const int64_t P = a.G / 8;
+  for (const Group& g : *p.slots) {
+    const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * a.N;
+    const float* al = a.scale + (g.slot - a.first) * a.N;
+    for (int64_t r : g.rows) {
+      const float* x = p.x + r * a.K;
+      for (int64_t n = n0; n < n1; ++n) {
+        float s = 0.f;
+        for (int64_t k = k0; k < k1; ++k) {
+          const int64_t r_in = k % a.G, br = k / a.G * P + r_in % P;
+          s += (bits[br * a.N + n] >> (r_in / P)) & 1 ? x[k] : -x[k];
+        }
+        acc[r * a.N + n] += al[n] * s;
+      }
+    }
   }
-  auto work = [&](float* acc, int64_t b0, int64_t b1, int64_t c0, int64_t c1) {
-    if (fmt == kQ8_0) Work<kQ8_0>(a, acc, b0, b1, c0, c1, all_rows.data());
-    else if (fmt == kQ4_0) Work<kQ4_0>(a, acc, b0, b1, c0, c1, all_rows.data());
-    else Work<kQ4_1>(a, acc, b0, b1, c0, c1, all_rows.data());
-  };
+}
+
+#if QROWS_AVX2
+// P[i][c] (8 columns each) = Σ_j x[row i, block b, j] · q[b, j, n + 8c], then
+// acc[row i, n + 8c] += d·P (+ m·Σx). R rows from `row0`, C vectors of 8 columns.
+template <Format F, int R, int C>
+inline void Tile(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0, int64_t n) {
+  const int64_t N = a.N;
+  __m256 s[R][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) s[i][c] = _mm256_setzero_ps();
+  const float* xb = p.x + row0 * a.K + b * kBlock;
+  const uint8_t* q = a.qs + b * a.qrows * N + n;
+  if constexpr (F == kQ8_0) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 32; ++j) {
+      __m256 w[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c)
+        w[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * N + 8 * c))));
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(xb + i * a.K + j);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c) s[i][c] = _mm256_fmadd_ps(xv, w[c], s[i][c]);
+      }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+      __m256 lo[C], hi[C];
+#pragma GCC unroll 8
+      for (int c = 0; c < C; ++c) {
+        __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j * N + 8 * c));
+        if constexpr (F == kQ4_0) {
+          // nibble ^ 8, sign-extended, is nibble − 8
+          const __m256i v = _mm256_cvtepi8_epi32(_mm_xor_si128(raw, _mm_set1_epi8(char(0x88))));
+          lo[c] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 28), 28));
+          hi[c] = _mm256_cvtepi32_ps(_mm256_srai_epi32(v, 4));
+        } else {
+          const __m256i v = _mm256_cvtepu8_epi32(raw);
+          lo[c] = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+          hi[c] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        }
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i) {
+        const __m256 x0 = _mm256_broadcast_ss(xb + i * a.K + j);
+        const __m256 x1 = _mm256_broadcast_ss(xb + i * a.K + j + 16);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; ++c)
+          s[i][c] = _mm256_fmadd_ps(x1, hi[c], _mm256_fmadd_ps(x0, lo[c], s[i][c]));
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < C; ++c) {
+    const __m256 dv = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + b * N + n + 8 * c)));
+    __m256 mv = _mm256_setzero_ps();
+    if constexpr (F == kQ4_1)
+      mv = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + b * N + n + 8 * c)));
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      float* y = acc + (row0 + i) * N + n + 8 * c;
+      __m256 v = _mm256_fmadd_ps(dv, s[i][c], _mm256_loadu_ps(y));
+      if constexpr (F == kQ4_1)
+        v = _mm256_fmadd_ps(mv, _mm256_set1_ps(p.sx[(row0 + i) * a.nb + b]), v);
+      _mm256_storeu_ps(y, v);
+    }
+  }
+}
+
+// columns n0..n1 (a multiple of 8 apart) of block b for rows row0..row0+R
+template <Format F, int R>
+void TileRow(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0, int64_t n0,
+             int64_t n1) {
+  constexpr int C = R == 1 ? 4 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+  int64_t n = n0;
+  for (; n + 8 * C <= n1; n += 8 * C) Tile<F, R, C>(a, p, acc, b, row0, n);
+  for (; n < n1; n += 8) Tile<F, R, 1>(a, p, acc, b, row0, n);
+}
+
+template <Format F>
+void Base(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+          int64_t n1) {
+  const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b + 1 < b1)  // the next block's first bytes of this range: the streams start early
+      for (int64_t j = 0; j < a.qrows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
+                     _MM_HINT_T0);
+    for (int64_t r = 0; r < p.M; r += kMaxTileRows) {
+      switch (std::min<int64_t>(kMaxTileRows, p.M - r)) {
+        case 1: TileRow<F, 1>(a, p, acc, b, r, n0, n8); break;
+        case 2: TileRow<F, 2>(a, p, acc, b, r, n0, n8); break;
+        case 3: TileRow<F, 3>(a, p, acc, b, r, n0, n8); break;
+        case 4: TileRow<F, 4>(a, p, acc, b, r, n0, n8); break;
+        case 5: TileRow<F, 5>(a, p, acc, b, r, n0, n8); break;
+        case 6: TileRow<F, 6>(a, p, acc, b, r, n0, n8); break;
+        case 7: TileRow<F, 7>(a, p, acc, b, r, n0, n8); break;
+        default: TileRow<F, 8>(a, p, acc, b, r, n0, n8); break;
+      }
+    }
+  }
+  if (n8 < n1) BaseScalar(a, p, acc, b0, b1, n8, n1);
+}
+
+// acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1, n0:n1]) for the rows of every slot present; k0 on a
+// group boundary. Per packed byte row (bit j: K row g·G + j·P + p) each row gets three tables
+// of 2·Σx over the set bits of fields 0-2, 3-5 and 6-7, looked up for 8 columns at once.
+void Delta(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int64_t n0,
+           int64_t n1) {
+  constexpr int kRd = 4;  // rows per pass over the bits
+  const int64_t N = a.N, K = a.K, G = a.G, P = G / 8, nc = n1 - n0;
+  const int64_t n8 = n0 + nc / 8 * 8;
+  thread_local std::vector<float> dsum;
+  if (int64_t(dsum.size()) < kRd * nc) dsum.resize(kRd * nc);
+  // lane i of table t has bit f set: lane masks for the 3, 3 and 2 fields of each table
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 fmask[3];
+  for (int f = 0; f < 3; ++f)
+    fmask[f] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(lane, _mm256_set1_epi32(1 << f)), _mm256_set1_epi32(1 << f)));
+  for (const Group& g : *p.slots) {
+    const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * N;
+    const float* al = a.scale + (g.slot - a.first) * N;
+    for (size_t r0 = 0; r0 < g.rows.size(); r0 += kRd) {
+      const int nr = int(std::min<size_t>(kRd, g.rows.size() - r0));
+      const int64_t* rows = g.rows.data() + r0;
+      float* d = dsum.data();
+      std::fill(d, d + nr * nc, 0.f);
+      for (int64_t gk = k0; gk < k1; gk += G)
+        for (int64_t pp = 0; pp < P; ++pp) {
+          const uint8_t* br = bits + (gk / G * P + pp) * N;
+          __m256 t[kRd][3];
+          for (int i = 0; i < nr; ++i) {
+            const float* x = p.x + rows[i] * K;
+            for (int tb = 0; tb < 3; ++tb) {
+              __m256 v = _mm256_setzero_ps();
+              for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
+                const int64_t k = gk + (3 * tb + f) * P + pp;
+                const float xv = k < k1 ? 2.f * x[k] : 0.f;
+                v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
+              }
+              t[i][tb] = v;
+            }
+          }
+          for (int64_t n = n0; n < n8; n += 8) {
+            const __m256i i0 = _mm256_cvtepu8_epi32(
+                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br + n)));
+            const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
+            for (int i = 0; i < nr; ++i) {
+              float* dp = d + i * nc + (n - n0);
+              const __m256 v = _mm256_add_ps(
+                  _mm256_add_ps(_mm256_permutevar8x32_ps(t[i][0], i0),
+                                _mm256_permutevar8x32_ps(t[i][1], i1)),
+                  _mm256_permutevar8x32_ps(t[i][2], i2));
+              _mm256_storeu_ps(dp, _mm256_add_ps(_mm256_loadu_ps(dp), v));
+            }
+          }
+          for (int64_t n = n8; n < n1; ++n)
+            for (int j = 0; j < 8; ++j) {
+              const int64_t k = gk + j * P + pp;
+              if (k < k1 && (br[n] >> j) & 1)
+                for (int i = 0; i < nr; ++i) d[i * nc + (n - n0)] += 2.f * p.x[rows[i] * K + k];
+            }
+        }
+      for (int i = 0; i < nr; ++i) {
+        const int64_t r = rows[i];
+        float total = 0.f;  // Σ x[r, k0:k1] from the blocks' sums
+        for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) total += p.sx[r * a.nb + b];
+        for (int64_t n = n0; n < n1; ++n) acc[r * N + n] += al[n] * (d[i * nc + (n - n0)] - total);
+      }
+    }
+  }
+}
+
+void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+             int64_t n1) {
+  switch (a.fmt) {
+    case kQ8_0: Base<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+    case kQ4_0: Base<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+    default: Base<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+  }
+  if (!p.slots->empty()) Delta(a, p, acc, b0 * kBlock, b1 * kBlock, n0, n1);
+}
+#else
+void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+             int64_t n1) {
+  BaseScalar(a, p, acc, b0, b1, n0, n1);
+  if (!p.slots->empty()) DeltaScalar(a, p, acc, b0 * kBlock, b1 * kBlock, n0, n1);
+}
+#endif
+
+ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, int64_t M,
+               int64_t S) {
+  const int64_t K = a.K, N = a.N, nb = a.nb;
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  for (int64_t r = 0; slots && r < M; ++r)
+    if (slots[r] > 0 && (slots[r] < a.first || slots[r] - a.first >= S))
+      return ffi::Error::InvalidArgument("quant_rows: a slot id is past the bank");
+  std::vector<float> sx(M * nb);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      float s = 0.f;
+      for (int j = 0; j < kBlock; ++j) s += x[r * K + b * kBlock + j];
+      sx[r * nb + b] = s;
+    }
   Pool& pool = Pool::get();
-  const bool small = M * K * N < (int64_t(1) << 16);
-  if (M > kSplitKRows) {  // columns per thread, in whole vectors; the last takes the tail
-    const int64_t nv = N / 16;
-    int chunks = small || nv == 0 ? 1 : int(std::min<int64_t>(pool.size(), nv));
-    const int64_t per = (nv + chunks - 1) / std::max(chunks, 1);
-    chunks = per == 0 ? 1 : int((nv + per - 1) / per);
-    pool.run([&](int c) {
-      const int64_t c0 = c * per * 16;
-      const int64_t c1 = c == chunks - 1 ? N : std::min(N, (c + 1) * per * 16);
-      work(y, 0, nb, c0, c1);
-    }, std::max(chunks, 1));
-    return ffi::Error::Success();
-  }
-  // K split into runs of whole blocks (of whole bit groups when there are enough of them)
-  int chunks = small ? 1 : pool.size();
-  int64_t unit = 1;
-  const int64_t g_blocks = (a.G % kBlock == 0) ? a.G / kBlock : 0;
-  if (!a.slots->empty() && g_blocks > 0 && nb / g_blocks >= chunks) unit = g_blocks;
-  int64_t per = (nb + chunks - 1) / chunks;
-  per = (per + unit - 1) / unit * unit;
-  chunks = int((nb + per - 1) / per);
-  thread_local std::vector<float> scratch;  // the partials of chunks 1.. (chunk 0's: y)
-  const int64_t part = M * N;
-  if (int64_t(scratch.size()) < (chunks - 1) * part) scratch.resize((chunks - 1) * part);
-  float* parts = scratch.data();
-  pool.run([&](int c) {
-    work(c == 0 ? y : parts + (c - 1) * part, c * per, std::min(nb, (c + 1) * per), 0, N);
-  }, chunks);
-  for (int c = 1; c < chunks; ++c) {
-    const float* p = parts + (c - 1) * part;
-    for (int64_t i = 0; i < part; ++i) y[i] += p[i];
+  thread_local std::vector<float> scratch;  // the partials of K tasks 1..
+  for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, M - r0);
+    std::vector<Group> groups;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t s = slots ? slots[r0 + r] : 0;
+      if (s <= 0) continue;
+      auto it = std::find_if(groups.begin(), groups.end(), [&](const Group& g) { return g.slot == s; });
+      if (it == groups.end()) groups.push_back({s, {r}});
+      else it->rows.push_back(r);
+    }
+    const Pass p{x + r0 * K, sx.data() + r0 * nb, rows, &groups};
+    float* yp = y + r0 * N;
+    // tasks: column ranges of at least kMinCols (multiples of 64), then K ranges of whole
+    // blocks and, with deltas, whole bit groups
+    const int threads = rows * K * N < (int64_t(1) << 16) ? 1 : pool.size();
+    int64_t nn = std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinCols));
+    int64_t ncol = (N + nn - 1) / nn;
+    ncol = (ncol + 63) / 64 * 64;
+    nn = (N + ncol - 1) / ncol;
+    const int64_t unit = groups.empty() ? 1 : std::lcm(kBlock, a.G) / kBlock;  // in blocks
+    const int64_t units = (nb + unit - 1) / unit;
+    int64_t nk = std::max<int64_t>(1, std::min<int64_t>(threads / nn, units));
+    const int64_t kper = (units + nk - 1) / nk * unit;  // blocks per K task
+    nk = (nb + kper - 1) / kper;
+    const int64_t part = rows * N;
+    if (int64_t(scratch.size()) < (nk - 1) * part) scratch.resize((nk - 1) * part);
+    float* parts = scratch.data();
+    pool.run([&](int t) {
+      const int64_t kc = t / nn, nc = t % nn;
+      const int64_t b0 = kc * kper, b1 = std::min(nb, b0 + kper);
+      const int64_t n0 = nc * ncol, n1 = std::min(N, n0 + ncol);
+      float* acc = kc == 0 ? yp : parts + (kc - 1) * part;
+      for (int64_t r = 0; r < rows; ++r) std::fill(acc + r * N + n0, acc + r * N + n1, 0.f);
+      RunTask(a, p, acc, b0, b1, n0, n1);
+    }, int(nk * nn));
+    for (int64_t c = 1; c < nk; ++c) {
+      const float* q = parts + (c - 1) * part;
+      for (int64_t i = 0; i < part; ++i) yp[i] += q[i];
+    }
   }
   return ffi::Error::Success();
 }
 
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16> d,
                 ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> scale,
-                ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y, int64_t fmt,
+                ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y, int64_t format,
                 int64_t group_k, int64_t first_slot, int64_t delta) {
   auto xd = x.dimensions();
   auto qd = qs.dimensions();
   auto dd = d.dimensions();
-  if (fmt < 0 || fmt > 2) return ffi::Error::InvalidArgument("quant_rows: unknown format");
-  const int64_t qr = fmt == kQ8_0 ? 32 : 16;
-  if (xd.size() != 2 || qd.size() != 3 || qd[1] != qr || xd[1] != qd[0] * kBlock ||
+  if (format < kQ8_0 || format > kQ4_1)
+    return ffi::Error::InvalidArgument("quant_rows: format must be 0 (q8_0), 1 (q4_0) or 2 (q4_1)");
+  const Format fmt = Format(format);
+  const int64_t qrows = fmt == kQ8_0 ? 32 : 16;
+  if (xd.size() != 2 || qd.size() != 3 || qd[1] != qrows || qd[0] * kBlock != xd[1] ||
       dd.size() != 2 || dd[0] != qd[0] || dd[1] != qd[2])
     return ffi::Error::InvalidArgument("quant_rows: expected x[M,K], qs[K/32,32|16,N], d[K/32,N]");
-  const auto qt = qs.element_type();
-  if (qt != (fmt == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8))
+  const int64_t M = xd[0], K = xd[1], N = qd[2], nb = qd[0];
+  if (qs.element_type() != (fmt == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8))
     return ffi::Error::InvalidArgument("quant_rows: qs is int8 for q8_0, uint8 for q4_0/q4_1");
-  if (fmt == kQ4_1 && (m.dimensions().size() != 2 || m.dimensions()[0] != dd[0] ||
-                       m.dimensions()[1] != dd[1]))
+  if (fmt == kQ4_1 && (m.dimensions().size() != 2 || m.dimensions()[0] != nb ||
+                       m.dimensions()[1] != N))
     return ffi::Error::InvalidArgument("quant_rows: q4_1 needs m[K/32,N]");
-  const int64_t M = xd[0], K = xd[1], N = qd[2];
-  std::vector<std::pair<int64_t, std::vector<int64_t>>> groups;
   int64_t S = 0, KP = 0;
   if (delta) {
     auto bd = bits.dimensions();
@@ -451,22 +440,13 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
       return ffi::Error::InvalidArgument("quant_rows: group_k must be a multiple of 8 dividing 8*KP");
     S = bd[0];
     KP = bd[1];
-    const int32_t* sl = slots.typed_data();
-    for (int64_t r = 0; r < M; ++r) {
-      const int64_t s = sl[r];
-      if (s <= 0) continue;
-      if (s < first_slot || s - first_slot >= S)
-        return ffi::Error::InvalidArgument("quant_rows: a slot id is past the bank");
-      auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == s; });
-      if (it == groups.end()) groups.push_back({s, {r}});
-      else it->second.push_back(r);
-    }
   }
-  Args a{x.typed_data(), nullptr, static_cast<const uint8_t*>(qs.untyped_data()),
-         reinterpret_cast<const uint16_t*>(d.untyped_data()),
-         reinterpret_cast<const uint16_t*>(m.untyped_data()), bits.typed_data(),
-         scale.typed_data(), M, K, N, KP, delta ? group_k : 8, first_slot, &groups};
-  return Run(int(fmt), a, y->typed_data());
+  const Args a{K, N, nb, qrows, fmt,
+               static_cast<const uint8_t*>(qs.untyped_data()),
+               reinterpret_cast<const uint16_t*>(d.untyped_data()),
+               reinterpret_cast<const uint16_t*>(m.untyped_data()),
+               bits.typed_data(), scale.typed_data(), KP, delta ? group_k : 8, first_slot};
+  return Run(a, x.typed_data(), delta ? slots.typed_data() : nullptr, y->typed_data(), M, S);
 }
 
 }  // namespace
@@ -474,7 +454,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRows, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
-                                  .Arg<ffi::AnyBuffer>()         // qs [K/32, 32|16, N]
+                                  .Arg<ffi::AnyBuffer>()         // qs [K/32, 32|16, N] s8 | u8
                                   .Arg<ffi::Buffer<ffi::F16>>()  // d [K/32, N]
                                   .Arg<ffi::Buffer<ffi::F16>>()  // m [K/32, N] (q4_1) or d
                                   .Arg<ffi::Buffer<ffi::U8>>()   // bits [S, KP, N]
