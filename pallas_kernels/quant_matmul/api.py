@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.bits import group_k_for, packed_rows
+
 from .blocks import QuantizedKernel
 from .reference import quant_matmul_reference
 
@@ -60,12 +62,15 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
     qk: the ``[K, N]`` blocks.
     bits, scale, slot_ids: None (the plain product), one variant (``[KP, N]``, ``[1|N]``,
       None) or a bank (``[S, KP, N]``, ``[S, N]``, ``[M]``; slot 0 = base only).
-    group_k: the bit planes' packing group (`pallas_kernels.bits.group_k_for`).
+    group_k: the bit planes' packing ``group_k`` (the group used is
+      ``pallas_kernels.bits.group_k_for(K, group_k)``, as `delta_matmul`).
     implementation: one of `IMPLEMENTATIONS`, or None for the best that can run.
     preferred_element_type: the result's dtype (default ``x.dtype``); sums are f32.
   """
   if x.ndim != 2 or x.shape[1] != qk.shape[0]:
     raise ValueError(f"x {tuple(x.shape)} does not multiply a {qk.format} kernel {qk.shape}")
+  g = group_k_for(qk.shape[0], group_k)
+  _check_delta(x, qk, bits, scale, slot_ids, g)
   out = jnp.dtype(preferred_element_type or x.dtype)
   if implementation is None:
     reasons = fallback_reasons(x, qk)
@@ -73,7 +78,28 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
   elif reason := unavailable_reason(implementation, x, qk):
     raise RuntimeError(f"quant_matmul implementation {implementation!r} cannot run: {reason}")
   if implementation == "reference":
-    y = quant_matmul_reference(x, qk, bits, scale, slot_ids, group_k=group_k)
+    y = quant_matmul_reference(x, qk, bits, scale, slot_ids, group_k=g)
   else:
-    y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=group_k)
+    y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=g)
   return y.astype(out)
+
+
+def _check_delta(x, qk: QuantizedKernel, bits, scale, slot_ids, g: int) -> None:
+  """The delta operands' shapes, as `delta_matmul` checks them."""
+  k, n = qk.shape
+  if bits is None:
+    if scale is not None or slot_ids is not None:
+      raise ValueError("scale and slot_ids need bits")
+    return
+  want = (packed_rows(k, g), n)
+  if bits.ndim not in (2, 3) or tuple(bits.shape[-2:]) != want:
+    raise ValueError(f"bits must be [..., {want[0]}, {n}] (group_k={g}), got {bits.shape}")
+  if scale is None or scale.ndim != bits.ndim - 1 or scale.shape[-1] not in (1, n):
+    got = None if scale is None else scale.shape
+    raise ValueError(f"scale must be [{'S, ' if bits.ndim == 3 else ''}1|{n}], got {got}")
+  if bits.ndim == 3 and scale.shape[0] != bits.shape[0]:
+    raise ValueError(f"bank of {bits.shape[0]} slots but scale has {scale.shape[0]}")
+  if (slot_ids is None) != (bits.ndim == 2):
+    raise ValueError("a bank [S, KP, N] needs slot_ids [M], and slot_ids needs a bank")
+  if slot_ids is not None and slot_ids.shape != (x.shape[0],):
+    raise ValueError(f"slot_ids must be [{x.shape[0]}], got {slot_ids.shape}")
