@@ -1,6 +1,7 @@
 """quant_matmul: ggml Q8_0/Q4_0/Q4_1 blocks (`blocks`) against the ``gguf`` package's numpy port
 of llama.cpp, and the native CPU kernel (`cpu_rows`) against a float64 numpy computation and the
-jnp reference, with every slot layout, under jit, with the api's choice and gradients.
+jnp reference, with every slot layout, under jit, with the api's choice (and its group_k
+mapping), bf16 activations, non-finite scales and gradients.
 
 Tolerance: f32 from STYLE's dtype table, (atol 1e-7, rtol 1e-6), the rtol taken relative to
 the sum of the magnitudes of the terms the kernel adds (``|x|·(|d·q| + |m| + α)``: the scale of
@@ -240,3 +241,67 @@ def test_gradient_is_the_references(layout):
   for a, b in zip(kernel, ref, strict=True):
     assert a.shape == b.shape
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=RTOL, atol=ATOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bf16_activations(fmt):
+  """bf16 x is widened exactly: with an f32 result the kernel meets the f32 bound on the rounded
+  x; with the default (bf16) result its error is at most 1.5x the reference's own (STYLE.md)."""
+  g, qk, x, bits, scale = _case(fmt, 5, 576, 200, 3, seed=21)
+  qj = jax.tree.map(jnp.asarray, qk)
+  xb = jnp.asarray(x).astype(jnp.bfloat16)
+  x_rounded = np.asarray(xb.astype(jnp.float32))
+  slots = np.asarray([0, 1, 2, 1, 0])
+  args = (bits, scale, jnp.asarray(slots, jnp.int32))
+  f32 = jax.jit(lambda x, q: api.quant_matmul(x, q, *args, group_k=g, implementation="cpu_rows",
+                                              preferred_element_type=jnp.float32))(xb, qj)
+  want, terms = _want64(x_rounded, qk, bits, scale, slots, g)
+  _check(f32, want, terms)
+  kern = jax.jit(lambda x, q: api.quant_matmul(x, q, *args, group_k=g,
+                                               implementation="cpu_rows"))(xb, qj)
+  ref = jax.jit(lambda x, q: api.quant_matmul(x, q, *args, group_k=g,
+                                              implementation="reference"))(xb, qj)
+  assert kern.dtype == ref.dtype == jnp.bfloat16
+  err = lambda y: np.max(np.abs(np.asarray(y.astype(jnp.float32), np.float64) - want))  # noqa: E731
+  assert err(kern) <= 1.5 * err(ref) + 1e-30
+
+
+@needs_kernel
+def test_api_maps_group_k_like_delta_matmul():
+  """Layers pass their configured group_k (128); K = 576 packs 64-row groups
+  (`group_k_for`): the api hands the kernel and the reference the group actually used."""
+  g, qk, x, bits, scale = _case("q8_0", 3, 576, 72, 3, seed=4)
+  assert g == 64
+  qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
+  slots = np.asarray([2, 0, 1])
+  want = _want64(x, qk, bits, scale, slots, g)
+  for impl in api.IMPLEMENTATIONS:
+    y = api.quant_matmul(xj, qj, bits, scale, jnp.asarray(slots, jnp.int32), group_k=128,
+                         implementation=impl)
+    _check(y, *want)
+  with pytest.raises(ValueError, match="bits must be"):
+    api.quant_matmul(xj, qj, bits[:, :8], scale, jnp.asarray(slots), group_k=128)
+  with pytest.raises(ValueError, match="needs slot_ids"):
+    api.quant_matmul(xj, qj, bits, scale, group_k=128)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [3, 20])
+def test_a_non_finite_scale_reaches_only_its_slots_rows(m):
+  """As the f32 rows kernel: α·(2·x·B − Σx), so an inf/nan α makes its own rows non-finite and
+  leaves the base rows and the other slots' rows exact."""
+  g, qk, x, bits, scale = _case("q4_0", m, 96, 40, 4, seed=8)
+  scale[2, 5], scale[3, 7] = np.inf, np.nan
+  slots = np.arange(m) % 4
+  got = np.asarray(cpu_rows.rows_call(jnp.asarray(x), jax.tree.map(jnp.asarray, qk), bits,
+                                      scale, jnp.asarray(slots, jnp.int32), group_k=g))
+  finite = slots < 2
+  assert not np.isfinite(got[slots == 2][:, 5]).any() and np.isnan(got[slots == 3][:, 7]).all()
+  clean = np.ones_like(got, bool)
+  clean[slots == 2, 5] = clean[slots == 3, 7] = False
+  assert np.isfinite(got[clean]).all() and finite.any()
+  safe = np.where(np.isfinite(scale), scale, 0)
+  want, terms = _want64(x, qk, bits, safe, slots, g)
+  err = np.abs(got[clean] - want[clean])
+  assert (err <= ATOL + RTOL * terms[clean]).all()
