@@ -3,14 +3,15 @@
     python bench/quant_kernel_bench.py [--rounds 30]   → bench/results/quant_kernel.{json,md}
     python bench/quant_kernel_bench.py --quick         # smoke run: small sizes, 1 round, no files
 
-Rows 1 and 8 (decode) and 64 (a prefill chunk), shapes K=N=4096 and K=576, N=1536 (SmolLM2's
-MLP). Candidates, jitted with every array an argument, interleaved round by round
+Rows 1 and 8 (decode) and 64 (a prefill chunk), shapes K=N=4096 and SmolLM2's MLP (K=576,
+N=1536 and K=1536, N=576). Candidates, jitted with every array an argument, interleaved round by round
 (`harness.interleaved`), medians:
 
 * ``q8_0`` / ``q4_0`` / ``q4_1``: ``quant_matmul(..., implementation="cpu_rows")``, no variant,
   and ``+var``: one 1-bit variant (bits ``[KP, N]`` read in place).
 * ``xla_f32``: ``x @ W`` on dense f32 W (XLA's GEMV / GEMM), no delta.
-* ``delta_f32``: `pallas_kernels.delta_matmul.delta_matmul` on f32 W with the same variant.
+* ``delta_bf16`` / ``delta_bf16+var``: `pallas_kernels.delta_matmul.delta_matmul` on bf16 W
+  (x f32), without and with the same variant: the unquantized base at half of f32's bytes.
 
 GB/s: the stored bytes each candidate must read (blocks, or f32 W; + the variant's bits) per
 second. Ratios are to ``xla_f32``. The machine is shared: the load average is recorded.
@@ -49,6 +50,7 @@ def _candidates(m: int, k: int, n: int):
   bits = jnp.asarray(rng.integers(0, 256, (packed_rows(k, g), n)), jnp.uint8)
   scale = jnp.asarray(rng.uniform(0.001, 0.01, (n,)), jnp.float32)
   wj = jnp.asarray(w)
+  wb = wj.astype(jnp.bfloat16)
   out = {}
   qmm = jax.jit(lambda x, q: quant_matmul(x, q, group_k=g, implementation="cpu_rows"))
   qmv = jax.jit(lambda x, q, b, s: quant_matmul(x, q, b, s, group_k=g,
@@ -58,9 +60,11 @@ def _candidates(m: int, k: int, n: int):
     out[fmt] = (lambda qk=qk: qmm(x, qk), qk.nbytes)
     out[f"{fmt}+var"] = (lambda qk=qk: qmv(x, qk, bits, scale), qk.nbytes + bits.nbytes)
   gemv = jax.jit(lambda x, w: x @ w)
+  plain = jax.jit(lambda x, w: delta_matmul(x, w, group_k=g))
   delta = jax.jit(lambda x, w, b, s: delta_matmul(x, w, b, s, group_k=g))
   out["xla_f32"] = (lambda: gemv(x, wj), wj.nbytes)
-  out["delta_f32+var"] = (lambda: delta(x, wj, bits, scale), wj.nbytes + bits.nbytes)
+  out["delta_bf16"] = (lambda: plain(x, wb), wb.nbytes)
+  out["delta_bf16+var"] = (lambda: delta(x, wb, bits, scale), wb.nbytes + bits.nbytes)
   return out
 
 
@@ -88,9 +92,9 @@ def main() -> None:
   ap.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 round, no files")
   args = ap.parse_args()
   if args.quick:
-    run((1, 8, 64), ((256, 512),), 1)
+    run((1, 8, 20), ((256, 200),), 1)
     return
-  rows = run((1, 8, 64), ((4096, 4096), (576, 1536)), args.rounds)
+  rows = run((1, 8, 64), ((4096, 4096), (576, 1536), (1536, 576)), args.rounds)
   names = [c[:-3] for c in rows[0] if c.endswith("_us")]
   lines = [
     "# Quantized-base CPU kernel (quant_matmul cpu_rows) vs f32 weights",
