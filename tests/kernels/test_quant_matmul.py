@@ -173,6 +173,15 @@ def test_kernel_matches_float64_every_layout(fmt, layout, m, k, n):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("m,k,n", [(1, 96, 5), (3, 576, 203), (17, 1536, 77)])
+def test_kernel_columns_past_the_last_vector(fmt, layout, m, k, n):
+  """N not a multiple of 8: the columns past the last 8-wide vector take the scalar paths."""
+  _run(fmt, layout, m, k, n)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_portable_build(fmt):
   cpu_rows.build_target((), "bitdelta_quant_rows_portable")  # GCC's generic vectors
   for m in (2, 17):
