@@ -130,8 +130,8 @@ void BaseScalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
 }
 
 // acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1, n0:n1]) for every slot's rows, one bit at a time
-void DeltaScalar(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int64_t n0,
-                 int64_t n1) {
+[[maybe_unused]] void DeltaScalar(const Args& a, const Pass& p, float* acc, int64_t k0,
+                                  int64_t k1, int64_t n0, int64_t n1) {
   const int64_t P = a.G / 8;
   for (const Group& g : *p.slots) {
     const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * a.N;
