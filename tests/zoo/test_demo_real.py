@@ -37,8 +37,14 @@ def test_demo_config_and_banner(family):
   from serving.cli import banner, demo_config
 
   base, variants, examples = family
-  cfg = demo_config(real=True, port=0)
-  assert cfg.base == str(base) and dict(cfg.variants) == {n: str(p) for n, p in variants.items()}
+  from bitdelta_jax.hf.gguf_checkpoint import is_gguf_dir, resolve_base
+  from bitdelta_jax.zoo.real_base import real_gguf
+
+  cfg = demo_config(real=True, port=0)  # the Q4_1 file as stored
+  assert cfg.base == str(resolve_base(real_gguf(download=False))) and is_gguf_dir(cfg.base)
+  assert cfg.model_id == "smollm2-135m-instruct"
+  assert dict(cfg.variants) == {n: str(p) for n, p in variants.items()}
+  assert demo_config(real=True, f32=True, port=0).base == str(base)
   text = banner(cfg, "http://127.0.0.1:0", demo=True)
   assert set(examples) == set(variants)
   for n, p in examples.items():
@@ -54,7 +60,10 @@ def test_each_variant_answers_its_banner_example(family):
 
   base, variants, examples = family
   names = sorted(variants)
-  model = from_pretrained(base, jnp.float32, num_slots=len(names) + 1,
+  from bitdelta_jax.zoo.real_base import real_gguf
+
+  # what `demo --real` serves: the Q4_1 file's blocks as stored
+  model = from_pretrained(real_gguf(download=False), jnp.float32, num_slots=len(names) + 1,
                           packed_embedding_slots=True)
   seqs, toks, want = [], [], []
   for slot, n in enumerate(names, start=1):
