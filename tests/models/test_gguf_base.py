@@ -133,3 +133,29 @@ def test_metadata_directory_is_reused_and_holds_no_weights(quantized):
   assert a == b and a.name == path.stem
   assert not list(a.glob("*.safetensors"))
   assert json.loads((a / "gguf_base.json").read_text())["gguf"] == str(path.resolve())
+
+
+def test_scale_distillation_against_the_quantized_base(quantized, tiny, tmp_path):
+  """`distill` takes FILE.gguf: its student is the dequantized blocks + the delta, so the trained
+  α still serve over the file (the fingerprint is unchanged), and the held-out error the
+  distiller reports is the variant's over the file's values."""
+  import shutil
+
+  from bitdelta_jax.distill import DistillConfig, distill_checkpoint
+
+  fmt, path, _ = quantized
+  d = tiny[0]
+  src = d / f"delta-{fmt}"
+  if not src.exists():
+    compress_checkpoints(path, d / "ft", src, progress=False)
+  delta_dir = tmp_path / "distilled"
+  shutil.copytree(src, delta_dir)
+  before, _ = load_delta(delta_dir)
+  ids = np.random.default_rng(0).integers(3, VOCAB, 400).astype(np.int32)
+  info = distill_checkpoint(path, d / "ft", delta_dir, ids,
+                            DistillConfig(steps=20, lr=1e-3, seq=16, batch=2), progress=False)
+  after, _ = load_delta(delta_dir, base_fingerprint=fingerprint_checkpoint(resolve_base(path)))
+  assert info["held_mse_after"] <= info["held_mse_before"]
+  changed = [n for n in after if hasattr(after[n], "scale")
+             and not np.array_equal(np.asarray(after[n].scale), np.asarray(before[n].scale))]
+  assert bool(changed) == (info["held_mse_after"] < info["held_mse_before"])
