@@ -23,7 +23,9 @@
 // Numerics: W + α⊙S is rounded once to f32 per element (as the merged prefill kernel's expanded
 // panels), products and sums in f32 in another order than the reference (agrees to rounding).
 // bf16 W is widened exactly (a 16-bit shift). Vectors are GCC vector extensions: AVX-512 with
-// -march=native on such a CPU, AVX2/SSE halves elsewhere.
+// -march=native on such a CPU, AVX2/SSE halves elsewhere. With AVX2 + FMA but no AVX-512 every
+// slot takes the lookups (8-entry `vpermps` tables, as `quant_matmul/cpu_rows_kernel.cc`): GCC
+// scalarizes the generic blend there. A non-finite α reaches only its own slot's rows.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -32,7 +34,7 @@
 #include "pool.h"  // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -293,8 +295,83 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
   }
 }
 #else
+#if defined(__AVX2__) && defined(__FMA__)
+// AVX2: GCC scalarizes the generic blend below (uint8 -> uint32 vector conversions), ~13x the
+// base pass's time for one row, so every slot adds its delta by lookups, as
+// `quant_matmul/cpu_rows_kernel.cc`'s `Delta`: per packed byte row, three 8-entry tables of 2·Σx
+// over the set bits of fields 0-2, 3-5 and 6-7, looked up for 8 columns at once (vpermps).
+constexpr int64_t kLutMaxRows = 16;  // MAX_ROWS: every slot
+
+// acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1]) for the rows of each slot in `a.lut`; k0, k1 on
+// group boundaries. Rows in passes of kRd (their tables in registers) over the slot's bits.
+void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
+  constexpr int kRd = 4;
+  const int64_t N = a.N, K = a.K, G = a.G, P = G / 8, n8 = N / 8 * 8;
+  thread_local std::vector<float> dsum;
+  if (int64_t(dsum.size()) < kRd * N) dsum.resize(kRd * N);
+  // lane i of a table has bit f of i set: lane masks for the fields of each table
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256 fmask[3];
+  for (int f = 0; f < 3; ++f)
+    fmask[f] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(lane, _mm256_set1_epi32(1 << f)), _mm256_set1_epi32(1 << f)));
+  for (const Group& g : *a.lut) {
+    const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * N;
+    const float* al = a.scale + (g.slot - a.first) * N;
+    for (size_t r0 = 0; r0 < g.rows.size(); r0 += kRd) {
+      const int nr = int(std::min<size_t>(kRd, g.rows.size() - r0));
+      const int64_t* rows = g.rows.data() + r0;
+      float* d = dsum.data();
+      std::fill(d, d + nr * N, 0.f);
+      for (int64_t gk = k0; gk < k1; gk += G)
+        for (int64_t p = 0; p < P; ++p) {
+          const uint8_t* b = bits + (gk / G * P + p) * N;
+          __m256 t[kRd][3];
+          for (int i = 0; i < nr; ++i) {
+            const float* x = a.x + rows[i] * K;
+            for (int tb = 0; tb < 3; ++tb) {
+              __m256 v = _mm256_setzero_ps();
+              for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
+                const int64_t k = gk + (3 * tb + f) * P + p;
+                const float xv = k < K ? 2.f * x[k] : 0.f;
+                v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
+              }
+              t[i][tb] = v;
+            }
+          }
+          for (int64_t n = 0; n < n8; n += 8) {
+            const __m256i i0 =
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + n)));
+            const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
+            for (int i = 0; i < nr; ++i) {
+              float* dp = d + i * N + n;
+              const __m256 v = _mm256_add_ps(
+                  _mm256_add_ps(_mm256_permutevar8x32_ps(t[i][0], i0),
+                                _mm256_permutevar8x32_ps(t[i][1], i1)),
+                  _mm256_permutevar8x32_ps(t[i][2], i2));
+              _mm256_storeu_ps(dp, _mm256_add_ps(_mm256_loadu_ps(dp), v));
+            }
+          }
+          for (int64_t n = n8; n < N; ++n)
+            for (int j = 0; j < 8; ++j) {
+              const int64_t k = gk + j * P + p;
+              if (k < K && (b[n] >> j) & 1)
+                for (int i = 0; i < nr; ++i) d[i * N + n] += 2.f * a.x[rows[i] * K + k];
+            }
+        }
+      for (int i = 0; i < nr; ++i) {
+        const int64_t r = rows[i];
+        float total = 0.f;
+        for (int64_t k = k0; k < std::min(k1, K); ++k) total += a.x[r * K + k];
+        for (int64_t n = 0; n < N; ++n) acc[r * N + n] += al[n] * (d[i * N + n] - total);
+      }
+    }
+  }
+}
+#else
 constexpr int64_t kLutMaxRows = 0;  // the portable build blends every slot
 void LutDelta(const Args&, float*, int64_t, int64_t) {}
+#endif
 
 // portable: the same with GCC vector extensions (AVX2/SSE halves)
 template <int KB, typename T>
