@@ -23,9 +23,10 @@
 // Numerics: W + α⊙S is rounded once to f32 per element (as the merged prefill kernel's expanded
 // panels), products and sums in f32 in another order than the reference (agrees to rounding).
 // bf16 W is widened exactly (a 16-bit shift). Vectors are GCC vector extensions: AVX-512 with
-// -march=native on such a CPU, AVX2/SSE halves elsewhere. With AVX2 + FMA but no AVX-512 every
-// slot takes the lookups (8-entry `vpermps` tables, as `quant_matmul/cpu_rows_kernel.cc`): GCC
-// scalarizes the generic blend there. A non-finite α reaches only its own slot's rows.
+// -march=native on such a CPU, AVX2/SSE halves elsewhere. With AVX2 + FMA but no AVX-512 (GCC
+// scalarizes the generic blend's byte widening there) a slot of up to 4 rows takes lookups into
+// 8-entry `vpermps` tables (as `quant_matmul/cpu_rows_kernel.cc`), a larger one an intrinsics
+// blend. A non-finite α reaches only its own slot's rows.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -296,19 +297,56 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
-// AVX2: GCC scalarizes the generic blend below (uint8 -> uint32 vector conversions), ~13x the
-// base pass's time for one row, so every slot adds its delta by lookups, as
-// `quant_matmul/cpu_rows_kernel.cc`'s `Delta`: per packed byte row, three 8-entry tables of 2·Σx
-// over the set bits of fields 0-2, 3-5 and 6-7, looked up for 8 columns at once (vpermps).
-constexpr int64_t kLutMaxRows = 16;  // MAX_ROWS: every slot
+// AVX2: a slot with few rows adds its delta by lookups, as `quant_matmul/cpu_rows_kernel.cc`'s
+// `Delta`: per packed byte row, three 8-entry tables of 2·Σx over the set bits of fields 0-2,
+// 3-5 and 6-7, looked up for 8 columns at once (vpermps, ~6 operations per row per 8 rows of K
+// and 8 columns); a larger slot blends W ± α in the W pass (~4 per row of K and 8 columns,
+// whatever its rows). Measured at 8 and 16 rows of one slot the two were within the noise.
+#ifndef BITDELTA_LUT_MAX_ROWS_AVX2
+#define BITDELTA_LUT_MAX_ROWS_AVX2 4
+#endif
+constexpr int64_t kLutMaxRows = BITDELTA_LUT_MAX_ROWS_AVX2;
+
+// acc[rows, 0:n8] += α ⊙ (d − Σx) for R rows, d = 2·x·B summed in registers over the chunk's
+// nbr packed byte rows (`bits` at its first), 8 columns at a time; tab: per byte row, each row's
+// three tables.
+template <int R>
+void LutCols(const __m256* tab, const uint8_t* bits, int64_t nbr, int64_t N, int64_t n8,
+             float* acc, const int64_t* rows, const float* al, const float* total) {
+  for (int64_t n = 0; n < n8; n += 8) {
+    __m256 s[R];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nbr; ++b) {
+      const __m256i i0 = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bits + b * N + n)));
+      const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
+      const __m256* t = tab + b * R * 3;
+#pragma GCC unroll 8
+      for (int i = 0; i < R; ++i)
+        s[i] = _mm256_add_ps(
+            s[i], _mm256_add_ps(_mm256_add_ps(_mm256_permutevar8x32_ps(t[3 * i], i0),
+                                              _mm256_permutevar8x32_ps(t[3 * i + 1], i1)),
+                                _mm256_permutevar8x32_ps(t[3 * i + 2], i2)));
+    }
+    const __m256 alv = _mm256_loadu_ps(al + n);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      float* p = acc + rows[i] * N + n;
+      const __m256 dv = _mm256_sub_ps(s[i], _mm256_set1_ps(total[i]));
+      _mm256_storeu_ps(p, _mm256_add_ps(_mm256_loadu_ps(p), _mm256_mul_ps(alv, dv)));
+    }
+  }
+}
 
 // acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1]) for the rows of each slot in `a.lut`; k0, k1 on
-// group boundaries. Rows in passes of kRd (their tables in registers) over the slot's bits.
+// group boundaries. Rows in passes of kRd (partial sums in registers) over the slot's bits.
 void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
-  constexpr int kRd = 4;
+  constexpr int kRd = 8;
   const int64_t N = a.N, K = a.K, G = a.G, P = G / 8, n8 = N / 8 * 8;
-  thread_local std::vector<float> dsum;
-  if (int64_t(dsum.size()) < kRd * N) dsum.resize(kRd * N);
+  const int64_t nbr = (k1 - k0 + G - 1) / G * P;
+  thread_local std::vector<__m256> tab;
+  if (int64_t(tab.size()) < nbr * kRd * 3) tab.resize(nbr * kRd * 3);
   // lane i of a table has bit f of i set: lane masks for the fields of each table
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 fmask[3];
@@ -316,55 +354,54 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
     fmask[f] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
         _mm256_and_si256(lane, _mm256_set1_epi32(1 << f)), _mm256_set1_epi32(1 << f)));
   for (const Group& g : *a.lut) {
-    const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * N;
+    const uint8_t* bits = a.bits + ((g.slot - a.first) * a.KP + k0 / G * P) * N;
     const float* al = a.scale + (g.slot - a.first) * N;
     for (size_t r0 = 0; r0 < g.rows.size(); r0 += kRd) {
       const int nr = int(std::min<size_t>(kRd, g.rows.size() - r0));
       const int64_t* rows = g.rows.data() + r0;
-      float* d = dsum.data();
-      std::fill(d, d + nr * N, 0.f);
-      for (int64_t gk = k0; gk < k1; gk += G)
-        for (int64_t p = 0; p < P; ++p) {
-          const uint8_t* b = bits + (gk / G * P + p) * N;
-          __m256 t[kRd][3];
-          for (int i = 0; i < nr; ++i) {
-            const float* x = a.x + rows[i] * K;
-            for (int tb = 0; tb < 3; ++tb) {
-              __m256 v = _mm256_setzero_ps();
-              for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
-                const int64_t k = gk + (3 * tb + f) * P + p;
-                const float xv = k < K ? 2.f * x[k] : 0.f;
-                v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
-              }
-              t[i][tb] = v;
+      float total[kRd];
+      for (int i = 0; i < nr; ++i) {
+        total[i] = 0.f;
+        for (int64_t k = k0; k < std::min(k1, K); ++k) total[i] += a.x[rows[i] * K + k];
+      }
+      __m256* t = tab.data();
+      for (int64_t b = 0; b < nbr; ++b) {
+        const int64_t gk = k0 + b / P * G, p = b % P;
+        for (int i = 0; i < nr; ++i) {
+          const float* x = a.x + rows[i] * K;
+          for (int tb = 0; tb < 3; ++tb) {
+            __m256 v = _mm256_setzero_ps();
+            for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
+              const int64_t k = gk + (3 * tb + f) * P + p;
+              const float xv = k < K ? 2.f * x[k] : 0.f;
+              v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
             }
+            t[(b * nr + i) * 3 + tb] = v;
           }
-          for (int64_t n = 0; n < n8; n += 8) {
-            const __m256i i0 =
-                _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + n)));
-            const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
-            for (int i = 0; i < nr; ++i) {
-              float* dp = d + i * N + n;
-              const __m256 v = _mm256_add_ps(
-                  _mm256_add_ps(_mm256_permutevar8x32_ps(t[i][0], i0),
-                                _mm256_permutevar8x32_ps(t[i][1], i1)),
-                  _mm256_permutevar8x32_ps(t[i][2], i2));
-              _mm256_storeu_ps(dp, _mm256_add_ps(_mm256_loadu_ps(dp), v));
-            }
-          }
-          for (int64_t n = n8; n < N; ++n)
+        }
+      }
+      switch (nr) {
+        case 1: LutCols<1>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 2: LutCols<2>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 3: LutCols<3>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 4: LutCols<4>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 5: LutCols<5>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 6: LutCols<6>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        case 7: LutCols<7>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+        default: LutCols<8>(t, bits, nbr, N, n8, acc, rows, al, total); break;
+      }
+      for (int64_t n = n8; n < N; ++n)  // the columns past the last full vector
+        for (int i = 0; i < nr; ++i) {
+          float d = 0.f;
+          for (int64_t b = 0; b < nbr; ++b) {
+            const int64_t gk = k0 + b / P * G, p = b % P;
             for (int j = 0; j < 8; ++j) {
               const int64_t k = gk + j * P + p;
-              if (k < K && (b[n] >> j) & 1)
-                for (int i = 0; i < nr; ++i) d[i * N + n] += 2.f * a.x[rows[i] * K + k];
+              if (k < K && (bits[b * N + n] >> j) & 1) d += 2.f * a.x[rows[i] * K + k];
             }
+          }
+          acc[rows[i] * N + n] += al[n] * (d - total[i]);
         }
-      for (int i = 0; i < nr; ++i) {
-        const int64_t r = rows[i];
-        float total = 0.f;
-        for (int64_t k = k0; k < std::min(k1, K); ++k) total += a.x[r * K + k];
-        for (int64_t n = 0; n < N; ++n) acc[r * N + n] += al[n] * (d[i * N + n] - total);
-      }
     }
   }
 }
@@ -390,11 +427,30 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
       } else {
         const v16 al = load16(a.scale + (g.slot - a.first) * N + n);
         for (int j = 0; j < KB; ++j) {
+#if defined(__AVX2__) && defined(__FMA__)
+          // as below, in halves of 8 (GCC scalarizes the uint8 -> uint32 vector conversion)
+          const __m128i b =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(brow[gi * kKBMax + j] + n));
+          const __m256i bm = _mm256_set1_epi32(int(bmask[gi * kKBMax + j]));
+          const __m256i lo = _mm256_cvtepu8_epi32(b);
+          const __m256i hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+          __m256 w2[2], a2[2], e2[2];
+          std::memcpy(w2, &wv[j], 64);
+          std::memcpy(a2, &al, 64);
+          const __m256i neg[2] = {
+              _mm256_cmpeq_epi32(_mm256_and_si256(lo, bm), _mm256_setzero_si256()),
+              _mm256_cmpeq_epi32(_mm256_and_si256(hi, bm), _mm256_setzero_si256())};
+          for (int h = 0; h < 2; ++h)
+            e2[h] = _mm256_blendv_ps(_mm256_add_ps(w2[h], a2[h]), _mm256_sub_ps(w2[h], a2[h]),
+                                     _mm256_castsi256_ps(neg[h]));
+          std::memcpy(&we[j], e2, 64);
+#else
           b16v b;
           std::memcpy(&b, brow[gi * kKBMax + j] + n, 16);
           const u16v bw = __builtin_convertvector(b, u16v);
           const i16v pos = (bw & bmask[gi * kKBMax + j]) != 0;
           we[j] = pos ? wv[j] + al : wv[j] - al;
+#endif
         }
       }
       for (int64_t r : g.rows) {
