@@ -25,8 +25,8 @@ def real(tmp_path_factory):
   if not (SHIPPED_REAL / "family.json").exists():
     pytest.skip("no shipped real family")
   try:
-    base_dir, variants, _ = shipped_real_family(download=False)
-    gguf = real_gguf(download=False)
+    base_dir, variants, _ = shipped_real_family()  # the wheel from the package registry
+    gguf = real_gguf()
   except RealBaseUnavailable as e:
     pytest.skip(f"SmolLM2 unavailable: {e}")
   names = sorted(variants)[:2]
