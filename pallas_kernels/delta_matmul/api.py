@@ -115,9 +115,16 @@ def _delta_matmul_xla(x, w_base, bits, scale, slot_ids, *, group_k: int):
 
 
 def _check(x, w_base, bits, scale, slot_ids, g: int):
-  k, n = w_base.shape
+  k, _ = w_base.shape
   if x.ndim != 2 or x.shape[1] != k:
     raise ValueError(f"x must be [M, {k}] for w_base {w_base.shape}, got {x.shape}")
+  check_delta_operands(x, w_base.shape, bits, scale, slot_ids, g)
+
+
+def check_delta_operands(x, shape_KxN, bits, scale, slot_ids, g: int) -> None:
+  """The 1-bit delta operands of an ``[M, K] x [K, N]`` product (none; one variant; a bank and
+  its slot_ids), checked for every base format (`quant_matmul` calls it too)."""
+  k, n = shape_KxN
   if bits is None:
     if scale is not None or slot_ids is not None:
       raise ValueError("scale and slot_ids need bits")
@@ -125,8 +132,9 @@ def _check(x, w_base, bits, scale, slot_ids, g: int):
   want = (packed_rows(k, g), n)
   if bits.ndim not in (2, 3) or tuple(bits.shape[-2:]) != want:
     raise ValueError(f"bits must be [..., {want[0]}, {n}] (group_k={g}), got {bits.shape}")
-  if scale.ndim != bits.ndim - 1 or scale.shape[-1] not in (1, n):
-    raise ValueError(f"scale must be [{'S, ' if bits.ndim == 3 else ''}1|{n}], got {scale.shape}")
+  if scale is None or scale.ndim != bits.ndim - 1 or scale.shape[-1] not in (1, n):
+    got = None if scale is None else scale.shape
+    raise ValueError(f"scale must be [{'S, ' if bits.ndim == 3 else ''}1|{n}], got {got}")
   if bits.ndim == 3 and scale.shape[0] != bits.shape[0]:
     raise ValueError(f"bank of {bits.shape[0]} slots but scale has {scale.shape[0]}")
   if (slot_ids is None) != (bits.ndim == 2):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bits import group_k_for, packed_rows
+from pallas_kernels.bits import group_k_for
+from pallas_kernels.delta_matmul.api import check_delta_operands
 
 from .blocks import QuantizedKernel
 from .reference import quant_matmul_reference
@@ -70,7 +71,7 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
   if x.ndim != 2 or x.shape[1] != qk.shape[0]:
     raise ValueError(f"x {tuple(x.shape)} does not multiply a {qk.format} kernel {qk.shape}")
   g = group_k_for(qk.shape[0], group_k)
-  _check_delta(x, qk, bits, scale, slot_ids, g)
+  check_delta_operands(x, qk.shape, bits, scale, slot_ids, g)
   out = jnp.dtype(preferred_element_type or x.dtype)
   if implementation is None:
     reasons = fallback_reasons(x, qk)
@@ -82,24 +83,3 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
   else:
     y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=g)
   return y.astype(out)
-
-
-def _check_delta(x, qk: QuantizedKernel, bits, scale, slot_ids, g: int) -> None:
-  """The delta operands' shapes, as `delta_matmul` checks them."""
-  k, n = qk.shape
-  if bits is None:
-    if scale is not None or slot_ids is not None:
-      raise ValueError("scale and slot_ids need bits")
-    return
-  want = (packed_rows(k, g), n)
-  if bits.ndim not in (2, 3) or tuple(bits.shape[-2:]) != want:
-    raise ValueError(f"bits must be [..., {want[0]}, {n}] (group_k={g}), got {bits.shape}")
-  if scale is None or scale.ndim != bits.ndim - 1 or scale.shape[-1] not in (1, n):
-    got = None if scale is None else scale.shape
-    raise ValueError(f"scale must be [{'S, ' if bits.ndim == 3 else ''}1|{n}], got {got}")
-  if bits.ndim == 3 and scale.shape[0] != bits.shape[0]:
-    raise ValueError(f"bank of {bits.shape[0]} slots but scale has {scale.shape[0]}")
-  if (slot_ids is None) != (bits.ndim == 2):
-    raise ValueError("a bank [S, KP, N] needs slot_ids [M], and slot_ids needs a bank")
-  if slot_ids is not None and slot_ids.shape != (x.shape[0],):
-    raise ValueError(f"slot_ids must be [{x.shape[0]}], got {slot_ids.shape}")
