@@ -47,7 +47,7 @@ from bitdelta_jax.delta.store import (
   read_manifest,
   stored_embeddings,  # noqa: F401  (re-exported: its home was here)
 )
-from bitdelta_jax.hf.gguf_checkpoint import quantization, resolve_base
+from bitdelta_jax.hf.gguf_checkpoint import is_gguf_dir, quantization, resolve_base
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
 CHUNK_BYTES = 32 << 20
@@ -420,8 +420,23 @@ def _compress_vocab(name, base: CheckpointReader, ft: CheckpointReader, policy, 
 
 
 def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
-  """The fingerprint of an HF base directory (reads every tensor when ``content``)."""
+  """The fingerprint of an HF base directory (reads every tensor when ``content``).
+
+  A GGUF base's content fingerprint (every tensor dequantized) is computed once per file and
+  kept in its metadata directory (which is keyed by the file's path, size and mtime)."""
   base_dir = resolve_base(base_dir)
+  cached = Path(base_dir) / "dequantized_fingerprint.json"
+  if content and cached.is_file():
+    return json.loads(cached.read_text())
+  fp = _fingerprint_tensors(base_dir, content)
+  if content and is_gguf_dir(base_dir):
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(fp))
+    tmp.replace(cached)
+  return fp
+
+
+def _fingerprint_tensors(base_dir: Path, content: bool) -> dict:
   with CheckpointReader(base_dir) as r:
     ent = {}
     for n in r.names():

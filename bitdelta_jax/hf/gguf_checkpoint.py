@@ -89,7 +89,6 @@ class GGUFCheckpoint(CheckpointReader):
       shape = tuple(int(s) for s in self.base.shape(name))
       nbytes = int(np.prod(shape)) * 4
       self.tensors[name] = TensorInfo(name, self.gguf, np.dtype(np.float32), shape, 0, nbytes)
-    self._maps = {}
     self._last: tuple[str, np.ndarray] | None = None
 
   def _dequantized(self, name: str) -> np.ndarray:

@@ -47,13 +47,15 @@ from pallas_kernels.quant_matmul import QuantizedKernel, dequantize, quant_matmu
 _init = nnx.initializers.normal(0.02)
 
 
-def dense_value(value) -> np.ndarray:
-  """A parameter's value as a numpy array; a `QuantizedKernel` dequantized to f32 (its
-  ``[K, N]`` orientation: an embedding table comes back as ``[D, V]``)."""
+def hf_array(value, transpose: bool) -> np.ndarray:
+  """A parameter's value in its HF tensor's layout (numpy): ``transpose`` for a Linear kernel
+  (``[in, out]`` → ``[out, in]``). A `QuantizedKernel` is always ``[K, N]`` column blocks of the
+  file's rows (an embedding table too, as ``[D, V]``), so its HF layout is the transposed
+  dequantization whatever the parameter."""
   if isinstance(value, QuantizedKernel):
-    return dequantize(jax.tree.map(np.asarray, value))
-  return np.asarray(value)
-
+    return dequantize(jax.tree.map(np.asarray, value)).T
+  arr = np.asarray(value)
+  return arr.T if transpose else arr
 
 
 class SlotBank(nnx.Variable):

@@ -31,7 +31,7 @@ from flax import nnx
 from bitdelta_jax.hf.gguf_checkpoint import gguf_file, is_gguf_dir, resolve_base
 from bitdelta_jax.hf.safetensors_io import CheckpointError, CheckpointReader
 from bitdelta_jax.models.config import ConfigError, ModelConfig
-from bitdelta_jax.models.layers import SlotBank, dense_value
+from bitdelta_jax.models.layers import SlotBank, hf_array
 from bitdelta_jax.models.llama import LlamaForCausalLM
 from pallas_kernels.quant_matmul import QuantizedKernel
 
@@ -207,8 +207,7 @@ def base_tensors(model: LlamaForCausalLM) -> dict[str, np.ndarray]:
   out = {}
   for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
     name, transpose = hf_name(path)
-    arr = dense_value(var.get_value())
-    out[name] = arr.T if transpose or isinstance(var.get_value(), QuantizedKernel) else arr
+    out[name] = hf_array(var.get_value(), transpose)
   return out
 
 

@@ -41,8 +41,7 @@ from flax import nnx
 
 from bitdelta_jax.delta.entries import LoraEntry, ResidualEntry
 from bitdelta_jax.delta.format import PackedDelta, _pack_bits, unpack_signs
-from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm, dense_value
-from pallas_kernels.quant_matmul import QuantizedKernel
+from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm, hf_array
 
 
 def _targets(model) -> dict[str, tuple[Any, str]]:
@@ -93,11 +92,10 @@ def _bank(module, role: str) -> list[nnx.Variable | None]:
 def _base(module, role: str) -> np.ndarray:
   """The base tensor in HF layout."""
   if role == "linear" or role == "head":
-    return dense_value(module.kernel.get_value()).T
+    return hf_array(module.kernel.get_value(), True)
   if role == "bias":
     return np.asarray(module.bias[...])
-  w = module.weight.get_value()
-  return dense_value(w).T if isinstance(w, QuantizedKernel) else np.asarray(w)
+  return hf_array(module.weight.get_value(), False)
 
 
 def _check_slot(model, slot: int) -> None:
