@@ -1,7 +1,7 @@
 """Attention of one ragged token batch over a paged KV cache (see `reference`).
 
-`ragged_paged_attention` dispatches by platform (`api`): the Mosaic GPU decode kernel
-(`mosaic_gpu`) on CUDA, the C++ decode kernel (`cpu`) on the host CPU, the plain-jnp reference
+`ragged_paged_attention` dispatches by platform (`api`): the Mosaic GPU decode and prefill
+kernels (`mosaic_gpu`, `mosaic_gpu_prefill`) on CUDA, the C++ decode kernel (`cpu`) on the host CPU, the plain-jnp reference
 elsewhere; `lowering_platform("cuda")` selects the
 GPU path while lowering for CUDA on another backend. `write_kv` stores a step's new K/V into a
 pool (in place on the CPU for bf16 pools).

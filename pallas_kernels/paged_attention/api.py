@@ -7,9 +7,11 @@ Implementations (``implementation=``):
   the pools), the packed-prefill pass and `merge` from the reference, as for ``"mosaic_gpu"``
   (for pools other than f32 the prefill pass reads its pages with `cpu.gather`: XLA's CPU
   backend would gather them from an f32 copy of the whole pool).
-* ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU kernel (`mosaic_gpu.py`,
-  NVIDIA Hopper or newer), the packed-prefill pass through the reference's `packed_prefill`,
-  put together by the reference's `merge`. ``interpret=True`` runs the kernel in Mosaic GPU
+* ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU decode kernel
+  (`mosaic_gpu.py`, NVIDIA Hopper or newer), the packed-prefill pass through the Mosaic GPU
+  prefill kernel (`mosaic_gpu_prefill.py`: bf16/f16 pools, head_dim 64 or 128, pages dividing
+  64 keys; the reference's `packed_prefill` for other shapes, `prefill_unavailable_reason`),
+  put together by the reference's `merge`. ``interpret=True`` runs the kernels in Mosaic GPU
   interpret mode on any backend (tests).
 
 ``implementation=None`` picks ``"mosaic_gpu"`` when the target platform
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from ..platform import hopper_reason, lowering_platform, target_platform
-from . import cpu, mosaic_gpu, reference
+from . import cpu, mosaic_gpu, mosaic_gpu_prefill, reference
 
 IMPLEMENTATIONS = ("reference", "cpu", "mosaic_gpu")
 WRITE_IMPLEMENTATIONS = ("reference", "cpu")
@@ -40,6 +42,16 @@ def _shape_reason(q, k_pool) -> str | None:
   _, h, d = q.shape
   _, _, ps, kv, _ = k_pool.shape
   return mosaic_gpu.shapes_supported(
+    num_heads=h, num_kv_heads=kv, head_dim=d, page_size=ps, dtype=k_pool.dtype, q_dtype=q.dtype
+  )
+
+
+def prefill_unavailable_reason(q, k_pool) -> str | None:
+  """None if the Mosaic GPU prefill kernel takes these shapes, else why not (the prompt chunks
+  then take the reference's `packed_prefill`)."""
+  _, h, d = q.shape
+  _, _, ps, kv, _ = k_pool.shape
+  return mosaic_gpu_prefill.shapes_supported(
     num_heads=h, num_kv_heads=kv, head_dim=d, page_size=ps, dtype=k_pool.dtype, q_dtype=q.dtype
   )
 
@@ -171,6 +183,22 @@ def ragged_paged_attention(
       window=window,
       interpret=interpret,
     )
+  if name == "mosaic_gpu" and prefill_unavailable_reason(q_NxHxD, k_pool) is None:
+    pre = mosaic_gpu_prefill.packed_prefill(
+      q_NxHxD,
+      k_pool,
+      v_pool,
+      layer,
+      pages=pages,
+      page_seq=page_seq,
+      page_start=page_start,
+      page_fill=page_fill,
+      token_seq=token_seq,
+      positions=positions,
+      window=window,
+      interpret=interpret,
+    )
+    return reference.merge(dec, pre, lane_len)
   narrow = name == "cpu" and k_pool.dtype != jnp.float32
   pre = reference.packed_prefill(
     q_NxHxD,
@@ -224,6 +252,7 @@ __all__ = [
   "WRITE_IMPLEMENTATIONS",
   "lowering_platform",
   "ragged_paged_attention",
+  "prefill_unavailable_reason",
   "unavailable_reason",
   "write_kv",
 ]
