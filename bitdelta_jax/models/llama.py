@@ -25,6 +25,7 @@ Public entry points on `LlamaForCausalLM`:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -262,7 +263,9 @@ class LlamaForCausalLM(nnx.Module):
       return ragged_paged_attention(q, k_pool, v_pool, i, window=window, block_pages=bp, **tables)
 
     heads = None if kv_sharding is None else kv_sharding.spec[1]
-    write_impl = None if kv_sharding is None else "reference"
+    # in place (the C++ write on CPU for bf16, the GPU kernel under CUDA); a pool sharded over
+    # the mesh but not split by heads takes the jnp scatter (a custom call cannot be partitioned)
+    write = functools.partial(write_kv, implementation=None if kv_sharding is None else "reference")
     if heads is not None:
       # KV heads split over `model`: each device attends with its own heads (and the query heads
       # that share them), so a kernel (a custom call XLA cannot partition) reads only local
@@ -273,6 +276,13 @@ class LlamaForCausalLM(nnx.Module):
       attention = jax.shard_map(attention, mesh=kv_sharding.mesh,
                                 in_specs=(q_spec, pool_spec, pool_spec, P(), P(), P()),
                                 out_specs=q_spec, check_vma=False)
+      # the write too: each device stores its own heads' rows in place (the GPU kernel; a
+      # custom call XLA cannot partition), or the jnp scatter on its shard elsewhere
+      local_write = jax.shard_map(
+        functools.partial(write_kv, implementation=_sharded_write_implementation()),
+        mesh=kv_sharding.mesh, in_specs=(pool_spec, P(), P(), P(), P(None, heads, None)),
+        out_specs=pool_spec, check_vma=False)
+      write = lambda pool, i, *rest: local_write(pool, jnp.asarray(i, jnp.int32), *rest)  # noqa: E731
       # the layer index and window go in as (replicated) arrays; None means no window
       scalars = lambda i, w: (jnp.asarray(i, jnp.int32),  # noqa: E731
                               jnp.asarray(_NO_WINDOW if w is None else w, jnp.int32))
@@ -286,8 +296,7 @@ class LlamaForCausalLM(nnx.Module):
         for name, new in (("k", k[:, 0]), ("v", v[:, 0])):
           if kv_sharding is not None:
             new = jax.lax.with_sharding_constraint(new, kv_sharding)
-          # in place (the C++ write on CPU for bf16); a sharded pool takes the jnp scatter
-          pools[name] = write_kv(pools[name], i, wp, wo, new, implementation=write_impl)
+          pools[name] = write(pools[name], i, wp, wo, new)
         o = attention(q[:, 0], pools["k"], pools["v"], *scalars(i, window), tables)
         return o[:, None]
 
@@ -311,6 +320,14 @@ class LlamaForCausalLM(nnx.Module):
 
 
 _NO_WINDOW = 1 << 30
+
+
+def _sharded_write_implementation() -> str | None:
+  """The KV write inside ``shard_map``: `write_kv`'s own choice when the target is CUDA (the GPU
+  kernel where it takes the rows), the jnp scatter on other platforms (as before the kernel)."""
+  from pallas_kernels.platform import target_platform
+
+  return None if target_platform() == "cuda" else "reference"
 
 
 def stack_layers(model: LlamaForCausalLM, previous=None):

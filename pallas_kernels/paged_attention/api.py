@@ -33,9 +33,11 @@ import jax.numpy as jnp
 
 from ..platform import hopper_reason, lowering_platform, target_platform
 from . import cpu, mosaic_gpu, mosaic_gpu_prefill, reference
+from .mosaic_gpu_write import shapes_supported as _write_shapes_supported
+from .mosaic_gpu_write import write as _write_gpu
 
 IMPLEMENTATIONS = ("reference", "cpu", "mosaic_gpu")
-WRITE_IMPLEMENTATIONS = ("reference", "cpu")
+WRITE_IMPLEMENTATIONS = ("reference", "cpu", "mosaic_gpu")
 
 
 def _shape_reason(q, k_pool) -> str | None:
@@ -219,27 +221,56 @@ def ragged_paged_attention(
   return reference.merge(dec, pre, lane_len)
 
 
-def write_kv(pool, layer, page, offset, new, *, implementation: str | None = None) -> jax.Array:
+def write_unavailable_reason(pool, *, implementation: str = "mosaic_gpu",
+                             interpret: bool = False) -> str | None:
+  """None if write implementation ``implementation`` can write into ``pool`` (an array or
+  ``jax.ShapeDtypeStruct``) on the target platform, else a readable reason."""
+  if implementation == "reference":
+    return None
+  if implementation == "cpu":
+    if (platform := target_platform()) != "cpu":
+      return f"the CPU write needs the CPU platform, the target platform is {platform!r}"
+    return cpu.build_reason()
+  if implementation == "mosaic_gpu":
+    reason = _write_shapes_supported(pool.shape, pool.dtype)
+    return reason or (None if interpret else _platform_reason())
+  raise ValueError(
+    f"unknown implementation {implementation!r}; choose from {WRITE_IMPLEMENTATIONS} or None"
+  )
+
+
+def write_kv(pool, layer, page, offset, new, *, implementation: str | None = None,
+             interpret=False) -> jax.Array:
   """``pool.at[layer, page, offset].set(new.astype(pool.dtype))``: ``pool`` ``[L, NP, PS, KV,
   hd]``, ``new`` ``[..., KV, hd]``, indices broadcast to ``new.shape[:-2]``; entries with an
-  index out of range are dropped (``"cpu"`` drops negative indices too).
+  index out of range are dropped (``"cpu"`` and ``"mosaic_gpu"`` drop negative indices too).
 
-  ``implementation``: ``"reference"`` (the jnp scatter), ``"cpu"`` (`cpu.write`, in place), or
-  None: ``"cpu"`` when the target platform is the CPU, the pool is not f32 (XLA's CPU backend
-  converts a bf16 pool to f32 and back around a scatter, a pass over the whole pool per call;
-  an f32 scatter is already in place), the kernel builds and ``BITDELTA_PAGED_ATTENTION_CPU`` is
-  not ``0``; the reference otherwise. Pass ``"reference"`` for a pool sharded over a mesh (a
-  custom call cannot be partitioned)."""
+  ``implementation``: ``"reference"`` (the jnp scatter), ``"cpu"`` (`cpu.write`, in place),
+  ``"mosaic_gpu"`` (`mosaic_gpu_write.write`: the pool aliased to the kernel's result, rows
+  copied by TMA; ``interpret=True`` runs it in the Mosaic GPU interpreter), or None:
+  ``"mosaic_gpu"`` when the target platform is CUDA (sm_90 or newer if there is a device) and
+  the kernel takes the pool's row (`write_unavailable_reason`); ``"cpu"`` when the target
+  platform is the CPU, the pool is not f32 (XLA's CPU backend converts a bf16 pool to f32 and
+  back around a scatter, a pass over the whole pool per call; an f32 scatter is already in
+  place), the kernel builds and ``BITDELTA_PAGED_ATTENTION_CPU`` is not ``0``; the reference
+  otherwise. A pool sharded over a mesh takes the kernels only inside ``shard_map`` (each
+  device writes its own heads: `bitdelta_jax.models.llama`); outside it pass ``"reference"``
+  (a custom call cannot be partitioned)."""
   if implementation is None:
-    use_cpu = (
-      pool.dtype != jnp.float32
-      and target_platform() == "cpu"
-      and cpu.enabled()
-      and cpu.build_reason() is None
-    )
-    implementation = "cpu" if use_cpu else "reference"
+    if write_unavailable_reason(pool, implementation="mosaic_gpu") is None:
+      implementation = "mosaic_gpu"
+    elif (pool.dtype != jnp.float32 and cpu.enabled()
+          and write_unavailable_reason(pool, implementation="cpu") is None):
+      implementation = "cpu"
+    else:
+      implementation = "reference"
   if implementation == "cpu":
     return cpu.write(pool, layer, page, offset, new)
+  if implementation == "mosaic_gpu":
+    reason = write_unavailable_reason(pool, implementation="mosaic_gpu", interpret=interpret)
+    if reason:
+      raise NotImplementedError(f"write_kv 'mosaic_gpu' cannot run: {reason}")
+    return _write_gpu(pool, layer, page, offset, new, interpret=interpret)
   if implementation != "reference":
     raise ValueError(
       f"unknown implementation {implementation!r}; choose from {WRITE_IMPLEMENTATIONS} or None"
@@ -255,4 +286,5 @@ __all__ = [
   "prefill_unavailable_reason",
   "unavailable_reason",
   "write_kv",
+  "write_unavailable_reason",
 ]
