@@ -42,7 +42,11 @@ except ``env``, which stops the run when the backend is not a GPU outside ``--dr
    pages), R = 8 and 32, lane lengths random up to 2048 (one idle lane) or one long lane and the
    rest short, SmolLM2 heads (H 9, KV 3, hd 64) and Llama-8B-like (H 32, KV 8, hd 128), pages of
    16, bf16 (and f32 once): errors against float64 numpy, time ratio kernel / reference.
-5. **serve**: ``python -m bitdelta_jax.cli serve`` on a free loopback port (``--dtype bfloat16``;
+5. **prefill**: prompt chunks, `bench/gpu_prefill.py` (its docstring): the Mosaic GPU prefill
+   attention kernel vs the reference at 512-8192-token prompts (numerics vs float64 on sampled
+   tokens, time), and time to first token through the engine, base vs variant, kernel vs
+   reference path. Results in attention_gpu.json under "prefill".
+6. **serve**: ``python -m bitdelta_jax.cli serve`` on a free loopback port (``--dtype bfloat16``;
    started right after ``env`` so that its warm-up compiles overlap stages 2-4),
    one stream, 8 concurrent on the base, 8 concurrent over 3 variants, 8 concurrent on the base
    again; tokens/s and TTFT p50 (helpers of `bench/serve_real_bench.py`). Base: the real
@@ -52,7 +56,7 @@ except ``env``, which stops the run when the backend is not a GPU outside ``--dr
    (``/health`` ``compiles_after_warmup``) is measured once more. The server runs with
    ``--no-prefix-caching`` (the passes repeat their prompts; each must do its full prefill),
    ``--max-batch 8 --prefill-chunk 64 --max-seq-len 512`` (few step programs to warm up).
-6. **summary**: one screen, also written to summary.txt (rewritten after every stage, so a run
+7. **summary**: one screen, also written to summary.txt (rewritten after every stage, so a run
    killed by the wrapper's timeout still leaves the stages that finished).
 
 Output folder (8 files at most): env.json, kernel_gpu.json (numerics + bench), attention_gpu.json,
@@ -99,14 +103,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-STAGES = ("env", "kernel_numerics", "kernel_bench", "attention", "serve")
+import gpu_prefill  # noqa: E402  (bench/: the prefill stage)
+
+STAGES = ("env", "kernel_numerics", "kernel_bench", "attention", "prefill", "serve")
 GPU_DELTA_IMPLS = ("mosaic_gpu", "pallas_triton")
 REQUIRED_DELTA_IMPL = "mosaic_gpu"  # the kernel that must be there and take every shape
 # seconds per stage on the GPU (upper bounds: a stage stops starting new work past its budget)
-BUDGETS = {"env": 40, "kernel_numerics": 100, "kernel_bench": 100, "attention": 60, "serve": 120}
+BUDGETS = {"env": 40, "kernel_numerics": 80, "kernel_bench": 80, "attention": 50, "prefill": 70,
+           "serve": 100}
 DRY_BUDGETS = {"env": 60, "kernel_numerics": 300, "kernel_bench": 300, "attention": 300,
-               "serve": 600}
-RESERVE = {"kernel_numerics": 30, "kernel_bench": 30, "attention": 20, "serve": 60}
+               "prefill": 300, "serve": 600}
+RESERVE = {"kernel_numerics": 30, "kernel_bench": 30, "attention": 20, "prefill": 30, "serve": 60}
 HI = jax.lax.Precision.HIGHEST
 
 
@@ -1196,6 +1203,7 @@ def write_report(ctx: Ctx) -> None:
                f" | {x.get('ratio_kernel_to_reference', float('nan')):.2f} | "
                f"{x.get('kernel_GBps', float('nan')):.0f} |")
     L.append("")
+  L += gpu_prefill.report_lines(ctx)
   srv = ctx.data.get("serve")
   if srv:
     L += [f"## serve over HTTP: {srv.get('base')}, dtype {srv.get('dtype')}", "",
@@ -1321,6 +1329,7 @@ def main(argv=None) -> int:
   server: list = [None, None]  # Server, or None and why not
   fns = {"env": stage_env, "kernel_numerics": stage_kernel_numerics,
          "kernel_bench": stage_kernel_bench, "attention": stage_attention,
+         "prefill": lambda c: gpu_prefill.stage_prefill(c, sys.modules[__name__]),
          "serve": lambda c: stage_serve(c, *server)}
   log(f"gpu_check: out={out} dry_run={args.dry_run} deadline {deadline_s:.0f}s")
   try:

@@ -28,6 +28,8 @@ f32 over the whole pool.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -50,7 +52,10 @@ def _shape_reason(q, k_pool) -> str | None:
 
 def prefill_unavailable_reason(q, k_pool) -> str | None:
   """None if the Mosaic GPU prefill kernel takes these shapes, else why not (the prompt chunks
-  then take the reference's `packed_prefill`)."""
+  then take the reference's `packed_prefill`). ``BITDELTA_PAGED_PREFILL_GPU=0`` turns the
+  kernel off (read when a step is traced: the GPU check times the reference path with it)."""
+  if os.environ.get("BITDELTA_PAGED_PREFILL_GPU", "1") == "0":
+    return "BITDELTA_PAGED_PREFILL_GPU=0"
   _, h, d = q.shape
   _, _, ps, kv, _ = k_pool.shape
   return mosaic_gpu_prefill.shapes_supported(
