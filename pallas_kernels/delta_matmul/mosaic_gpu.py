@@ -123,9 +123,14 @@ def _kernel_body(
   pieces: bool,
   cdt,
   interpret: bool,
+  delta_only: bool = False,
 ):
-  """One CTA: rows ``mi*BM``, columns ``ni*BN``, K steps ``[si*steps, (si+1)*steps)``."""
-  if banked:
+  """One CTA: rows ``mi*BM``, columns ``ni*BN``, K steps ``[si*steps, (si+1)*steps)``.
+  ``delta_only`` (banked): no base operand, the tile starts from zero (`delta_bank_products`)."""
+  if delta_only:
+    x_g, bits_g, scale_g, tile_lo, tile_hi, seg_lo, seg_hi, out_g = refs
+    w_g = None
+  elif banked:
     x_g, w_g, bits_g, scale_g, tile_lo, tile_hi, seg_lo, seg_hi, out_g = refs
   else:
     x_g, w_g, bits_g, scale_g, out_g = refs
@@ -151,7 +156,8 @@ def _kernel_body(
   # --- SMEM buffers -----------------------------------------------------------------------
   x_shape = (stages, 3, bm, kt) if pieces else (stages, bm, kt)
   x_buf = plgpu.SMEM(x_shape, cdt, transforms=_swizzled(min(kt, bn), 2))
-  w_buf = plgpu.SMEM((stages, kt, bn), w_g.dtype, transforms=_swizzled(bn, w_g.dtype.itemsize))
+  if w_g is not None:
+    w_buf = plgpu.SMEM((stages, kt, bn), w_g.dtype, transforms=_swizzled(bn, w_g.dtype.itemsize))
   b_buf = plgpu.SMEM((stages, kt, bn), jnp.uint8, transforms=_swizzled(bn, 1))
   s_buf = plgpu.SMEM((kt, bn), cdt, transforms=_swizzled(bn, 2))
   wp_buf = plgpu.SMEM((3, kt, bn), cdt, transforms=_swizzled(bn, 2))
@@ -271,13 +277,16 @@ def _kernel_body(
     if pieces:
       scratch["wp_s"] = wp_buf
     arrivals = 2 + (0 if banked else 8 * cfg.groups_per_step)
-    pl.run_scoped(
-      base_scope,
-      x_buf,
-      w_buf,
-      plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
-      **scratch,
-    )
+    if delta_only:  # no base product: the slots' terms add to zero
+      out_s[...] = cast(jnp.zeros((bm, bn), jnp.float32), wgmma_layout)
+    else:
+      pl.run_scoped(
+        base_scope,
+        x_buf,
+        w_buf,
+        plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
+        **scratch,
+      )
 
     # Phase 2 (bank): one delta K loop per slot with rows in this tile.
     if banked:
@@ -323,10 +332,13 @@ def _kernel_body(
   pl.run_scoped(with_out, out_buf)
 
 
-def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret):
-  """Pads, calls the kernel, adds the split-K partial sums; returns f32 ``[M_pad, N_pad]``."""
+def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
+           kernel_name=None):
+  """Pads, calls the kernel, adds the split-K partial sums; returns f32 ``[M_pad, N_pad]``.
+  ``w_base`` None (a bank): the slots' delta terms alone."""
   m, k = x.shape
-  n = w_base.shape[1]
+  n = bits.shape[-1]
+  delta_only = w_base is None
   pieces = jnp.dtype(x.dtype) == jnp.float32
   cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
   bm, bn = cfg.block_m, cfg.block_n
@@ -346,7 +358,7 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret):
   # are 0 by the format and meet x = 0; padded rows and columns are sliced off).
   x_p = _pad_to(x, (m_pad, k_pad))
   x_p = _split3(x_p) if pieces else x_p
-  w_p = _pad_to(w_base.astype(x.dtype), (k_pad, n_pad))
+  w_p = () if delta_only else (_pad_to(w_base.astype(x.dtype), (k_pad, n_pad)),)
   bits_p = _pad_to(bits, (*bits.shape[:-1], n_pad))
   scale_p = _pad_to(
     jnp.broadcast_to(scale.astype(jnp.float32), (scale.shape[0], n)), (scale.shape[0], n_pad)
@@ -360,6 +372,7 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret):
     pieces=pieces,
     cdt=cdt,
     interpret=bool(interpret),
+    delta_only=delta_only,
   )
   interp = None
   if interpret:
@@ -370,9 +383,9 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret):
     grid=(n_pad // bn, m_pad // bm, cfg.split_k),
     grid_names=("n", "m", "k"),
     interpret=interp,
-    kernel_name="bitdelta_bank_matmul" if banked else "bitdelta_delta_matmul",
+    kernel_name=kernel_name or ("bitdelta_bank_matmul" if banked else "bitdelta_delta_matmul"),
   )
-  out = kernel(x_p, w_p, bits_p, scale_p, *meta)
+  out = kernel(x_p, *w_p, bits_p, scale_p, *meta)
   return out[0] if cfg.split_k == 1 else out.sum(axis=0)
 
 
@@ -427,31 +440,82 @@ def delta_matmul_bank(
   """Mixed variants: bits ``[S, K_pad/8, N]``, scale ``[S, 1|N]``, slot_ids ``[M]`` (0 = base;
   ids outside ``[0, S)`` are base only too)."""
   _check(x, w_base, bits, group_k)
-  m, k = x.shape
-  n, n_slots = w_base.shape[1], bits.shape[0]
-  cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
+  m, n = x.shape[0], w_base.shape[1]
+  cfg = config or MosaicConfig.heuristic(m, x.shape[1], n, group_k, x.dtype.itemsize)
+  order, meta = _segments(slot_ids, bits.shape[0], m, cfg.block_m)
+  y_sorted = _fused(
+    x[order],
+    w_base,
+    bits,
+    scale,
+    meta,
+    group_k=group_k,
+    banked=True,
+    config=cfg,
+    interpret=interpret,
+  )[:m, :n].astype(x.dtype)
+  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+
+
+def _segments(slot_ids, n_slots: int, m: int, block_m: int):
+  """Rows sorted by slot (ids outside ``[0, S)`` as 0) and the kernel's slot tables: each M
+  tile's slot range ``[max(min, 1), max + 1)`` of its real rows and each slot's row segment."""
   slots = jnp.where((slot_ids < 0) | (slot_ids >= n_slots), 0, slot_ids).astype(jnp.int32)
   order = jnp.argsort(slots, stable=True)
   sorted_slots = slots[order]
   ids = jnp.arange(n_slots, dtype=jnp.int32)
   seg_lo = jnp.searchsorted(sorted_slots, ids, side="left").astype(jnp.int32)
   seg_hi = jnp.searchsorted(sorted_slots, ids, side="right").astype(jnp.int32)
-  # Slots each M tile loops over: [max(min, 1), max + 1) of its (real) rows.
-  m_pad = round_up(m, cfg.block_m)
-  tiles = m_pad // cfg.block_m
+  m_pad = round_up(m, block_m)
+  tiles = m_pad // block_m
   lo_src = jnp.pad(sorted_slots, (0, m_pad - m), constant_values=n_slots)
   hi_src = jnp.pad(sorted_slots, (0, m_pad - m))
   tile_lo = jnp.maximum(lo_src.reshape(tiles, -1).min(axis=1), 1).astype(jnp.int32)
   tile_hi = (hi_src.reshape(tiles, -1).max(axis=1) + 1).astype(jnp.int32)
+  return order, (tile_lo, tile_hi, seg_lo, seg_hi)
+
+
+def bank_shapes_supported(x_shape, bits_shape, group_k: int, dtype=None) -> str | None:
+  """`shapes_supported` for `delta_bank_products` (no base operand)."""
+  if len(bits_shape) != 3:
+    return f"bits must be a bank [S, K_pad/8, N], got {tuple(bits_shape)}"
+  if len(x_shape) != 2:
+    return f"x must be [M, K], got {tuple(x_shape)}"
+  return shapes_supported(x_shape, (x_shape[1], bits_shape[-1]), bits_shape, group_k, dtype)
+
+
+def delta_bank_products(
+  x,
+  bits,
+  scale,
+  slot_ids,
+  *,
+  group_k: int,
+  config: MosaicConfig | None = None,
+  interpret=False,
+  kernel_name: str = "bitdelta_bank_delta",
+):
+  """f32 ``α[s] ⊙ (x·S[s])`` per row, ``s = slot_ids[m]``, without a base product: bits ``[S,
+  K_pad/8, N]``, scale ``[S, 1|N]``; rows of slot 0 or of ids outside ``[0, S)`` get zeros.
+  The bank kernel with its base phase left out (each tile starts from zero), e.g. a 1-bit
+  LM-head bank added to logits computed elsewhere (`pallas_kernels.lm_head`)."""
+  reason = unavailable_reason() or bank_shapes_supported(x.shape, bits.shape, group_k, x.dtype)
+  if reason:
+    raise NotImplementedError(reason)
+  m, k = x.shape
+  n = bits.shape[-1]
+  cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
+  order, meta = _segments(slot_ids, bits.shape[0], m, cfg.block_m)
   y_sorted = _fused(
     x[order],
-    w_base,
+    None,
     bits,
     scale,
-    (tile_lo, tile_hi, seg_lo, seg_hi),
+    meta,
     group_k=group_k,
     banked=True,
     config=cfg,
     interpret=interpret,
-  )[:m, :n].astype(x.dtype)
+    kernel_name=kernel_name,
+  )[:m, :n]
   return jnp.zeros_like(y_sorted).at[order].set(y_sorted)

@@ -13,6 +13,10 @@
 
 `add_packed_products(base, h, bits, α, slots)`: ``base + α[s] ⊙ (h · S[s])`` per row.
 
+* ``"mosaic_gpu"``: the Mosaic GPU bank kernel (`mosaic_gpu.packed_products`: the delta GEMM's
+  bits→±1 expansion in shared memory and wgmma, per-column α, no base operand), when the target
+  platform is CUDA (sm_90 or newer if there is a device) and ``group_k % 64 == 0``;
+  ``interpret=True`` runs it in the Mosaic GPU interpreter. Its gradient is the reference's.
 * ``"cpu"``: the fused native kernel (`pallas_kernels.delta_matmul.cpu.fused_call`: bits read
   once per row block; rows of the base slot and slots without a delta skipped), under a
   ``lax.cond`` that skips it when no row has such a slot (it would still walk the vocabulary).
@@ -33,16 +37,19 @@ import jax.numpy as jnp
 
 from pallas_kernels.bits import DEFAULT_GROUP_K
 from pallas_kernels.delta_matmul import cpu as delta_cpu
+from pallas_kernels.platform import hopper_reason, override, target_platform
 from pallas_kernels.quant_matmul import QuantizedKernel, quant_matmul
 from pallas_kernels.small_matmul import cpu, cpu_bf16
 from pallas_kernels.small_matmul.api import one_cpu_device_reason
 
+from . import mosaic_gpu
 from .reference import logits_reference, packed_products_reference
 
 IMPLEMENTATIONS = ("cpu", "cpu_bf16", "xla")
-PACKED_IMPLEMENTATIONS = ("cpu", "reference")
+PACKED_IMPLEMENTATIONS = ("mosaic_gpu", "cpu", "reference")
 __all__ = ["IMPLEMENTATIONS", "PACKED_IMPLEMENTATIONS", "add_packed_products", "fallback_reasons",
-           "logits", "packed_fallback_reasons", "packed_products_fused", "unavailable_reason"]
+           "logits", "packed_fallback_reasons", "packed_products_fused", "packed_products_gpu",
+           "packed_unavailable_reason", "unavailable_reason"]
 
 
 def unavailable_reason(name: str, rows: int, h_dtype, w_dtype, *, tied: bool) -> str | None:
@@ -101,18 +108,37 @@ def logits(h: jax.Array, w: jax.Array, *, tied: bool,
   return fn(h.reshape(rows, d), w).reshape(*lead, -1)
 
 
-def packed_unavailable_reason(name: str) -> str | None:
-  """None if ``name`` can compute the packed bank product here, else why not."""
+def packed_unavailable_reason(name: str, h_shape=None, bits_shape=None, group_k: int | None = None,
+                              *, interpret: bool = False) -> str | None:
+  """None if ``name`` can compute the packed bank product here (for h ``[M, D]`` and bits
+  ``[S, D_pad/8, V]`` with ``group_k``, where given), else why not."""
   if name == "reference":
     return None
   if name == "cpu":
+    if (platform := target_platform()) != "cpu":
+      return f"the fused packed-delta kernel runs on the CPU, the target platform is {platform!r}"
     return one_cpu_device_reason("the fused packed-delta kernel") or delta_cpu.unavailable_reason()
+  if name == "mosaic_gpu":
+    if reason := mosaic_gpu.unavailable_reason(interpret=interpret):
+      return reason
+    if h_shape is not None and (reason := mosaic_gpu.shapes_supported(h_shape, bits_shape,
+                                                                      group_k)):
+      return reason
+    if interpret:
+      return None
+    if (platform := target_platform()) != "cuda":
+      note = "" if override() is None else " (set by lowering_platform)"
+      return (f"the Mosaic GPU kernel needs CUDA, the target platform is {platform!r}{note} "
+              "(interpret=True runs it on CPU)")
+    return hopper_reason()
   raise ValueError(f"unknown implementation {name!r}; choose from {PACKED_IMPLEMENTATIONS} or None")
 
 
-def packed_fallback_reasons() -> dict[str, str | None]:
+def packed_fallback_reasons(h_shape=None, bits_shape=None, group_k: int | None = None,
+                            ) -> dict[str, str | None]:
   """Each packed implementation in preference order with why it cannot run (None: it can)."""
-  return {name: packed_unavailable_reason(name) for name in PACKED_IMPLEMENTATIONS}
+  return {name: packed_unavailable_reason(name, h_shape, bits_shape, group_k)
+          for name in PACKED_IMPLEMENTATIONS}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -137,24 +163,49 @@ def _fused_bwd(group_k, res, ct):
 packed_products_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def packed_products_gpu(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M, group_k: int,
+                        interpret: bool = False):
+  """`reference.packed_products_reference` by the Mosaic GPU bank kernel (slots ``<= 0``: base
+  only); its gradient is the reference's."""
+  return mosaic_gpu.packed_products(base_MxV, h_MxK, bits_SxRxV, scale_SxV, slots_M,
+                                    group_k=group_k, interpret=interpret)
+
+
+def _gpu_fwd(base, h, bits, scale, slots, group_k, interpret):
+  out = packed_products_gpu(base, h, bits, scale, slots, group_k, interpret)
+  return out, (base, h, bits, scale, slots)
+
+
+def _gpu_bwd(group_k, interpret, res, ct):
+  return _fused_bwd(group_k, res, ct)
+
+
+packed_products_gpu.defvjp(_gpu_fwd, _gpu_bwd)
+
+
 def add_packed_products(base_MxV: jax.Array, h_MxK: jax.Array, bits_SxRxV: jax.Array,
                         scale_SxV: jax.Array, slots_M: jax.Array, *, group_k: int,
-                        implementation: str | None = None) -> jax.Array:
+                        implementation: str | None = None, interpret=False) -> jax.Array:
   """f32 ``base + α[s] ⊙ (h · S[s])`` per row m, ``s = slots[m]``; rows of slot 0 and of slots
-  whose α is all zero (no delta loaded) keep ``base``. h is used in f32."""
+  whose α is all zero (no delta loaded) keep ``base``. h is used in f32. ``interpret``: run the
+  Mosaic GPU kernel in its interpreter (with ``implementation="mosaic_gpu"``)."""
   h = h_MxK.astype(jnp.float32)
   used = jnp.any(scale_SxV != 0, axis=1)  # [S]
   slots = slots_M.astype(jnp.int32)
   slots = jnp.where((slots > 0) & used[slots], slots, -1)
+  shapes = (h.shape, bits_SxRxV.shape, group_k)
   if implementation is None:
-    reasons = packed_fallback_reasons()
+    reasons = packed_fallback_reasons(*shapes)
     implementation = next(name for name, why in reasons.items() if why is None)
-  elif reason := packed_unavailable_reason(implementation):
+  elif reason := packed_unavailable_reason(implementation, *shapes, interpret=bool(interpret)):
     raise RuntimeError(f"packed LM-head implementation {implementation!r} cannot run: {reason}")
   if implementation == "reference":
     return packed_products_reference(base_MxV, h, bits_SxRxV, scale_SxV, slots, group_k)
+  if implementation == "mosaic_gpu":
+    kernel = lambda y: packed_products_gpu(  # noqa: E731
+      y, h, bits_SxRxV, scale_SxV, slots, group_k, interpret)
+  else:
+    kernel = lambda y: packed_products_fused(y, h, bits_SxRxV, scale_SxV, slots, group_k)  # noqa: E731
   # a batch without such a row never enters the kernel (it would still walk the vocabulary)
-  return jax.lax.cond(
-    jnp.any(slots >= 0),
-    lambda y: packed_products_fused(y, h, bits_SxRxV, scale_SxV, slots, group_k),
-    lambda y: y, base_MxV)
+  return jax.lax.cond(jnp.any(slots >= 0), kernel, lambda y: y, base_MxV.astype(jnp.float32))

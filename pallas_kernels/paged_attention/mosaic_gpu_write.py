@@ -86,12 +86,14 @@ def write(pool, layer, page, offset, new, *, interpret=False) -> jax.Array:
   # [T, 4]: layer, page, offset (0 where dropped, so no address is ever out of range), valid
   table = jnp.stack([jnp.where(valid, i, 0) for i in idx] + [valid.astype(jnp.int32)], axis=1)
 
-  return _write_rows(pool, table, rows, interpret=_interpret_params(interpret))
+  return bitdelta_kv_write(pool, table, rows, interpret=_interpret_params(interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def _write_rows(pool, table, rows, *, interpret):
-  """The kernel: row ``r`` of ``rows [T, KV, hd]`` to ``pool[table[r, :3]]`` if ``table[r, 3]``."""
+def bitdelta_kv_write(pool, table, rows, *, interpret):
+  """The kernel: row ``r`` of ``rows [T, KV, hd]`` to ``pool[table[r, :3]]`` if ``table[r, 3]``.
+  (Named as the kernel: with a ``Ref`` operand the Mosaic GPU module takes the name of the
+  enclosing function, not ``pl.kernel``'s ``name``.)"""
   kv, hd = pool.shape[3:]
 
   def body(table_ref, rows_ref, pool_ref, buf, bar):

@@ -88,7 +88,7 @@ def test_default_under_cuda_is_the_kernel_aliasing_the_pool():
   new = jax.ShapeDtypeStruct((32, 3, 64), jnp.bfloat16)
   idx = jax.ShapeDtypeStruct((32,), jnp.int32)
   layer = jax.ShapeDtypeStruct((), jnp.int32)
-  text = _lowered(lambda p, l, pg, o, n: api.write_kv(p, l, pg, o, n), pool, layer, idx, idx, new)
+  text = _lowered(lambda p, i, pg, o, n: api.write_kv(p, i, pg, o, n), pool, layer, idx, idx, new)
   calls = re.findall(r"stablehlo\.custom_call @(\w+)\(.*", text)
   assert calls == [CUSTOM_CALL], calls
   (line,) = [ln for ln in text.splitlines() if "custom_call @" in ln]
