@@ -10,9 +10,16 @@ left for a GPU is ptxas, shared-memory limits and numbers.
 `unpacked_bits` finds delta bits unpacked outside a kernel: an elementwise op (shift, and,
 convert, compare, select) of the module whose operand is an 8-bit tensor at least as large as
 one packed weight matrix. A dense ``W_eff`` of a variant cannot be formed from the bits
-without such ops, and the bits are the only 8-bit tensors of that size in a step.
+without such ops, and the bits are the only 8-bit tensors of that size in a step. One unpack
+is by design: a packed embedding bank's lookup gathers the batch's token columns first
+(``bits[s, :, ids]``: ``[T, D/8]`` bytes) and unpacks only those (`token_column_unpacks`); its
+size is ``T × D``, proportional to the tokens, never the table's ``D/8 × V``.
 
-Run as a script (``python tests/kernels/cuda_lowering.py MESH CONFIG``, with
+`pool_reads` finds the KV pools read outside a kernel: a gather or dynamic slice of a tensor
+with the pools' trailing ``[page_size, KV, head_dim]`` (a dense gather of pages, or one
+layer's pool copied out of the stacked pools).
+
+Run as a script (``python tests/kernels/cuda_lowering.py MESH CONFIG [BANKS]``, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8``) it lowers over a device mesh and prints
 one JSON line per program (tests/kernels/test_cuda_lowering.py).
 """
@@ -37,6 +44,12 @@ LLAMA_HEADS = dict(model_type="llama", hidden_size=1024, intermediate_size=2048,
                    head_dim=128, vocab_size=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
                    tie_word_embeddings=False, max_position_embeddings=8192, hidden_act="silu")
 CONFIGS = {"smollm2": SMOLLM2, "llama_heads": LLAMA_HEADS}
+# The per-slot banks a server may hold (`engine.bank_options.Banks`): "linear" the 1-bit linear
+# slots alone; "all" every kind at once (1-bit linear, packed and dense embedding / LM-head
+# banks, LoRA factors, a grown vocabulary), as a server holding variants of every kind builds.
+BANKS = {"linear": {},
+         "all": dict(packed_embedding_slots=True, dense_embedding_slots=True, lora_rank=8,
+                     extra_vocab=64)}
 
 _ELEMENTWISE = ("shift_right_logical", "shift_left", "and", "convert", "compare", "select")
 _OP = re.compile(r"stablehlo\.(" + "|".join(_ELEMENTWISE) + r")\b(.*)$")
@@ -60,6 +73,58 @@ def unpacked_bits(text: str, min_elements: int) -> list[str]:
   return hits
 
 
+def _size(dims: str) -> int:
+  size = 1
+  for d in dims.rstrip("x").split("x"):
+    size *= int(d)
+  return size
+
+
+def token_column_unpacks(text: str, n_tokens: int, dim: int) -> list[int]:
+  """Sizes of the 8-bit elementwise operands that are the batch's token columns of a packed
+  embedding (leading dim ``n_tokens``, at most ``n_tokens × dim`` elements)."""
+  sizes = []
+  for line in text.splitlines():
+    m = _OP.search(line)
+    if m:
+      sizes += [_size(d) for d, _ in _TENSOR.findall(m.group(2))
+                if int(d.split("x")[0]) == n_tokens and _size(d) <= n_tokens * dim]
+  return sizes
+
+
+def _without_token_columns(hits: list[str], n_tokens: int, dim: int) -> list[str]:
+  def columns_only(line):
+    m = _OP.search(line)
+    return all(int(d.split("x")[0]) == n_tokens and _size(d) <= n_tokens * dim
+               for d, _ in _TENSOR.findall(m.group(2)))
+  return [h for h in hits if not columns_only(h)]
+
+
+_READ = re.compile(r'stablehlo\.(gather|dynamic_slice)\b.*?:\s*\(?tensor<((?:\d+x)+)(\w+)>')
+
+
+def pool_reads(text: str, page_size: int, head_dim: int) -> list[str]:
+  """Gathers / dynamic slices whose operand ends in ``[page_size, KV, head_dim]`` (a KV pool or
+  a slice of one, any KV: a device's own heads under shard_map)."""
+  hits = []
+  for line in text.splitlines():
+    m = _READ.search(line)
+    if not m:
+      continue
+    dims = m.group(2).rstrip("x").split("x")
+    if len(dims) >= 4 and dims[-3] == str(page_size) and dims[-1] == str(head_dim):
+      hits.append(line.strip()[:200])
+  return hits
+
+
+_KERNEL_NAMES = re.compile(r"(bitdelta_\w+?|ragged_paged_\w+?)(?:_mosaic_gpu)?\b")
+
+
+def kernel_names(text: str) -> list[str]:
+  """The named Mosaic GPU kernels of the module (the names their modules carry)."""
+  return sorted(set(_KERNEL_NAMES.findall(text)))
+
+
 def custom_calls(text: str) -> dict[str, int]:
   """call target -> count, over ``stablehlo.custom_call @target`` ops."""
   out: dict[str, int] = {}
@@ -68,7 +133,8 @@ def custom_calls(text: str) -> dict[str, int]:
   return out
 
 
-def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots: int = 3):
+def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots: int = 3,
+                 banks: str = "linear"):
   from flax import nnx
 
   from bitdelta_jax.engine.batch import StepShapes
@@ -76,7 +142,7 @@ def build_runner(config: str, *, mesh=None, delta_implementation=None, num_slots
   from bitdelta_jax.models.config import ModelConfig
   from bitdelta_jax.models.llama import LlamaForCausalLM
 
-  cfg = ModelConfig.from_hf_dict(CONFIGS[config], num_slots=num_slots)
+  cfg = ModelConfig.from_hf_dict(CONFIGS[config], num_slots=num_slots, **BANKS[banks])
   if delta_implementation is not None:
     import dataclasses
 
@@ -105,25 +171,43 @@ def packed_matrix_elements(cfg) -> int:
   return min(k * n // 8 for k, n in shapes)
 
 
+def embedding_packed_elements(cfg) -> int:
+  """Bytes of one slot's packed embedding / LM-head bank (D/8 × V)."""
+  return cfg.hidden_size // 8 * cfg.vocab_size
+
+
 def report(runner, cfg, programs, per_device_elements: int | None = None) -> list[dict]:
+  """Per program ``(tokens, base_only)``: its custom calls and named kernels, the packed bits
+  unpacked outside a kernel (``unpacked``; the embedding lookup's token columns apart, their
+  sizes in ``token_columns``), the largest 8-bit operand of an elementwise op (``largest_8bit``)
+  and the reads of the KV pools outside a kernel (``pool_reads``)."""
   rows = []
+  threshold = per_device_elements or packed_matrix_elements(cfg)
   for n, base_only in programs:
     text = lower_step(runner, n, base_only)
+    d = cfg.hidden_size
+    largest = max([_size(dims) for line in text.splitlines() if (m := _OP.search(line))
+                   for dims, _ in _TENSOR.findall(m.group(2))], default=0)
     rows.append({"tokens": n, "base_only": base_only, "custom_calls": custom_calls(text),
-                 "unpacked": unpacked_bits(text, per_device_elements
-                                           or packed_matrix_elements(cfg)),
-                 "kernels": sorted(set(re.findall(r"bitdelta_\w+", text)))})
+                 "unpacked": _without_token_columns(unpacked_bits(text, threshold), n, d),
+                 "token_columns": token_column_unpacks(text, n, d),
+                 "largest_8bit": largest,
+                 "pool_reads": pool_reads(text, runner.shapes.page_size, cfg.head_dim),
+                 "kernels": kernel_names(text)})
   return rows
 
 
 if __name__ == "__main__":
   mesh_spec, config = sys.argv[1], sys.argv[2]
+  banks = sys.argv[3] if len(sys.argv) > 3 else "linear"
   from bitdelta_jax.sharding import make_mesh
 
   mesh = make_mesh(mesh_spec)
-  runner, cfg = build_runner(config, mesh=mesh)
+  runner, cfg = build_runner(config, mesh=mesh, banks=banks)
   model_axis = dict(mesh.shape).get("model", 1)
   # a packed matrix split over `model` devices: each device holds 1/model of it
   rows = report(runner, cfg, [(32, False), (544, False)],
                 per_device_elements=packed_matrix_elements(cfg) // model_axis)
-  print(json.dumps({"devices": jax.device_count(), "mesh": dict(mesh.shape), "rows": rows}))
+  print(json.dumps({"devices": jax.device_count(), "mesh": dict(mesh.shape),
+                    "embedding_elements": embedding_packed_elements(cfg),
+                    "hidden": cfg.hidden_size, "rows": rows}))
