@@ -40,7 +40,10 @@ register layouts, and the interpreter has no rule for them). Design:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -114,6 +117,37 @@ def _split3(x32):
   return jnp.stack([hi, mid, lo])
 
 
+@dataclasses.dataclass(frozen=True)
+class TileContext:
+  """What a `BaseOperand` sees of the CTA it runs in (see `fused_call`)."""
+
+  cfg: MosaicConfig
+  kt: int  # K rows per step
+  bm: int
+  bn: int
+  stages: int
+  cdt: object  # the wgmma operand dtype
+  interpret: bool
+  cols: object  # pl.ds of this CTA's output columns
+  k_step: Callable  # local step t -> the global K step index
+  cast: Callable  # (value, layout) -> value (a no-op in the interpreter)
+  column_vector: Callable  # ref [BN] -> value in the accumulator's column layout
+
+
+class BaseOperand(Protocol):
+  """A base product other than a dense W (e.g. `pallas_kernels.quant_matmul.mosaic_gpu`): its
+  GMEM operands, their TMA copies per K step and the wgmmas that add ``x·W`` to an f32 acc."""
+
+  shape: tuple[int, int]  # (K, N)
+  num_refs: int
+
+  def operands(self, k_pad: int, n_pad: int) -> tuple: ...
+  def copies(self, ctx: TileContext) -> int: ...
+  def smem(self, ctx: TileContext) -> dict: ...
+  def fetch(self, ctx: TileContext, refs, bufs: dict, t, slot, barrier) -> None: ...
+  def mma(self, ctx: TileContext, acc, x_tile, bufs: dict, slot) -> None: ...
+
+
 def _kernel_body(
   *refs,
   cfg: MosaicConfig,
@@ -124,16 +158,25 @@ def _kernel_body(
   cdt,
   interpret: bool,
   delta_only: bool = False,
+  base: BaseOperand | None = None,
+  with_delta: bool = True,
 ):
   """One CTA: rows ``mi*BM``, columns ``ni*BN``, K steps ``[si*steps, (si+1)*steps)``.
-  ``delta_only`` (banked): no base operand, the tile starts from zero (`delta_bank_products`)."""
-  if delta_only:
-    x_g, bits_g, scale_g, tile_lo, tile_hi, seg_lo, seg_hi, out_g = refs
-    w_g = None
-  elif banked:
-    x_g, w_g, bits_g, scale_g, tile_lo, tile_hi, seg_lo, seg_hi, out_g = refs
-  else:
-    x_g, w_g, bits_g, scale_g, out_g = refs
+  ``delta_only`` (banked): no base operand, the tile starts from zero (`delta_bank_products`).
+  ``base``: the base product's operand in place of a dense W; ``with_delta`` False: the base
+  product alone (no bits)."""
+  refs = list(refs)
+  x_g = refs.pop(0)
+  base_g = [refs.pop(0) for _ in range(0 if delta_only else 1 if base is None else base.num_refs)]
+  w_g = base_g[0] if base is None and base_g else None
+  bits_g = scale_g = None
+  if with_delta:
+    bits_g, scale_g = refs.pop(0), refs.pop(0)
+  if banked:
+    tile_lo, tile_hi, seg_lo, seg_hi = refs[:4]
+    refs = refs[4:]
+  (out_g,) = refs
+  single = with_delta and not banked
   bm, bn, stages = cfg.block_m, cfg.block_n, min(cfg.num_stages, steps)
   g, kt = group_k, cfg.k_step(group_k)
   p = g // 8
@@ -144,14 +187,19 @@ def _kernel_body(
   def cast(v, layout):
     return v if interpret else plgpu.layout_cast(v, layout)
 
-  def load_alpha(slot):  # [BN] f32, in the column layout of the accumulator
-    ref = scale_g.at[slot, cols]
+  def column_vector(ref):  # [BN] in the column layout of the accumulator
     if interpret:
       return ref[...]
     return plgpu.load(ref, (), layout=wgmma_layout.reduce(0), optimized=False)
 
+  def load_alpha(slot):  # [BN] f32
+    return column_vector(scale_g.at[slot, cols])
+
   def kslice(t):
     return pl.ds((si * steps + t) * kt, kt)
+
+  ctx = TileContext(cfg, kt, bm, bn, stages, cdt, interpret, cols, lambda t: si * steps + t,
+                    cast, column_vector)
 
   # --- SMEM buffers -----------------------------------------------------------------------
   x_shape = (stages, 3, bm, kt) if pieces else (stages, bm, kt)
@@ -250,40 +298,52 @@ def _kernel_body(
 
   def with_out(out_s):
     # Phase 1: x·W (and, for one variant, x·S in the same K loop).
-    def base_scope(x_s, w_s, bar, b_s=None, s_s=None, wp_s=None):
+    def base_scope(x_s, bar, w_s=None, b_s=None, s_s=None, wp_s=None, **base_s):
       def fetch(t, slot):
         fetch_x(x_s, t, slot, bar)
-        plgpu.copy_gmem_to_smem(w_g.at[kslice(t), cols], w_s.at[slot], bar.at[slot])
-        if not banked:
+        if base is None:
+          plgpu.copy_gmem_to_smem(w_g.at[kslice(t), cols], w_s.at[slot], bar.at[slot])
+        else:
+          base.fetch(ctx, base_g, base_s, t, slot, bar.at[slot])
+        if single:
           fetch_bits(b_s, 0, t, slot, bar)
 
       def acc_scope(acc_b, acc_d=None):
         def compute(slot):
-          base_mma(acc_b, x_s.at[slot], w_s.at[slot], wp_s)
-          if not banked:
+          if base is None:
+            base_mma(acc_b, x_s.at[slot], w_s.at[slot], wp_s)
+          else:
+            base.mma(ctx, acc_b, x_s.at[slot], base_s, slot)
+          if single:
             delta_mma(acc_d, x_s.at[slot], b_s.at[slot], s_s)
           plgpu.wgmma_wait(0)  # the slot and the SMEM scratch are reused next
 
         k_loop(fetch, compute, bar)
-        if banked:
-          out_s[...] = acc_b[...]
-        else:
+        if single:
           out_s[...] = acc_b[...] + alpha_times(acc_d[...], 0)
+        else:
+          out_s[...] = acc_b[...]
 
-      accs = [plgpu.ACC((bm, bn))] * (1 if banked else 2)
+      accs = [plgpu.ACC((bm, bn))] * (2 if single else 1)
       pl.run_scoped(acc_scope, *accs)
 
-    scratch = {} if banked else dict(b_s=b_buf, s_s=s_buf)
-    if pieces:
-      scratch["wp_s"] = wp_buf
-    arrivals = 2 + (0 if banked else 8 * cfg.groups_per_step)
+    scratch = dict(b_s=b_buf, s_s=s_buf) if single else {}
+    if base is not None:
+      scratch.update(base.smem(ctx))
+      copies = base.copies(ctx)
+    else:
+      copies = 1
+      if not delta_only:
+        scratch["w_s"] = w_buf
+      if pieces:
+        scratch["wp_s"] = wp_buf
+    arrivals = 1 + copies + (8 * cfg.groups_per_step if single else 0)
     if delta_only:  # no base product: the slots' terms add to zero
       out_s[...] = cast(jnp.zeros((bm, bn), jnp.float32), wgmma_layout)
     else:
       pl.run_scoped(
         base_scope,
         x_buf,
-        w_buf,
         plgpu.Barrier(num_arrivals=arrivals, num_barriers=stages),
         **scratch,
       )
@@ -332,17 +392,22 @@ def _kernel_body(
   pl.run_scoped(with_out, out_buf)
 
 
-def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
-           kernel_name=None):
+def fused_call(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
+               kernel_name=None, base: BaseOperand | None = None):
   """Pads, calls the kernel, adds the split-K partial sums; returns f32 ``[M_pad, N_pad]``.
-  ``w_base`` None (a bank): the slots' delta terms alone."""
+  ``w_base`` None (a bank): the slots' delta terms alone, or with ``base`` (a `BaseOperand`)
+  that base product; ``bits`` None: the base product alone (K padded to ``group_k``)."""
   m, k = x.shape
-  n = bits.shape[-1]
-  delta_only = w_base is None
+  if base is not None:
+    n = base.shape[1]
+  else:
+    n = bits.shape[-1] if w_base is None else w_base.shape[1]
+  delta_only = w_base is None and base is None
+  with_delta = bits is not None
   pieces = jnp.dtype(x.dtype) == jnp.float32
   cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
   bm, bn = cfg.block_m, cfg.block_n
-  k_pad = bits.shape[-2] * 8
+  k_pad = bits.shape[-2] * 8 if with_delta else round_up(k, group_k)
   n_groups = k_pad // group_k
   if n_groups % cfg.groups_per_step:
     raise NotImplementedError(
@@ -358,11 +423,17 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
   # are 0 by the format and meet x = 0; padded rows and columns are sliced off).
   x_p = _pad_to(x, (m_pad, k_pad))
   x_p = _split3(x_p) if pieces else x_p
-  w_p = () if delta_only else (_pad_to(w_base.astype(x.dtype), (k_pad, n_pad)),)
-  bits_p = _pad_to(bits, (*bits.shape[:-1], n_pad))
-  scale_p = _pad_to(
-    jnp.broadcast_to(scale.astype(jnp.float32), (scale.shape[0], n)), (scale.shape[0], n_pad)
-  )
+  if base is not None:
+    w_p = tuple(base.operands(k_pad, n_pad))
+  else:
+    w_p = () if delta_only else (_pad_to(w_base.astype(x.dtype), (k_pad, n_pad)),)
+  delta_p = ()
+  if with_delta:
+    delta_p = (
+      _pad_to(bits, (*bits.shape[:-1], n_pad)),
+      _pad_to(jnp.broadcast_to(scale.astype(jnp.float32), (scale.shape[0], n)),
+              (scale.shape[0], n_pad)),
+    )
   body = functools.partial(
     _kernel_body,
     cfg=cfg,
@@ -373,6 +444,8 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
     cdt=cdt,
     interpret=bool(interpret),
     delta_only=delta_only,
+    base=base,
+    with_delta=with_delta,
   )
   interp = None
   if interpret:
@@ -385,7 +458,7 @@ def _fused(x, w_base, bits, scale, meta, *, group_k, banked, config, interpret,
     interpret=interp,
     kernel_name=kernel_name or ("bitdelta_bank_matmul" if banked else "bitdelta_delta_matmul"),
   )
-  out = kernel(x_p, *w_p, bits_p, scale_p, *meta)
+  out = kernel(x_p, *w_p, *delta_p, *meta)
   return out[0] if cfg.split_k == 1 else out.sum(axis=0)
 
 
@@ -412,7 +485,7 @@ def delta_matmul_single(
   ``interpret``: True (or an ``InterpretGPUParams``) runs the Mosaic GPU interpreter."""
   _check(x, w_base, bits, group_k)
   m, n = x.shape[0], w_base.shape[1]
-  y = _fused(
+  y = fused_call(
     x,
     w_base,
     bits[None],
@@ -442,8 +515,8 @@ def delta_matmul_bank(
   _check(x, w_base, bits, group_k)
   m, n = x.shape[0], w_base.shape[1]
   cfg = config or MosaicConfig.heuristic(m, x.shape[1], n, group_k, x.dtype.itemsize)
-  order, meta = _segments(slot_ids, bits.shape[0], m, cfg.block_m)
-  y_sorted = _fused(
+  order, meta = segments(slot_ids, bits.shape[0], m, cfg.block_m)
+  y_sorted = fused_call(
     x[order],
     w_base,
     bits,
@@ -457,7 +530,7 @@ def delta_matmul_bank(
   return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
-def _segments(slot_ids, n_slots: int, m: int, block_m: int):
+def segments(slot_ids, n_slots: int, m: int, block_m: int):
   """Rows sorted by slot (ids outside ``[0, S)`` as 0) and the kernel's slot tables: each M
   tile's slot range ``[max(min, 1), max + 1)`` of its real rows and each slot's row segment."""
   slots = jnp.where((slot_ids < 0) | (slot_ids >= n_slots), 0, slot_ids).astype(jnp.int32)
@@ -505,8 +578,8 @@ def delta_bank_products(
   m, k = x.shape
   n = bits.shape[-1]
   cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
-  order, meta = _segments(slot_ids, bits.shape[0], m, cfg.block_m)
-  y_sorted = _fused(
+  order, meta = segments(slot_ids, bits.shape[0], m, cfg.block_m)
+  y_sorted = fused_call(
     x[order],
     None,
     bits,
