@@ -91,7 +91,11 @@ def _add_packed_slot_products(logits_BxTxV, h_BxTxD, bits_SxRxV, scale_SxV, slot
 
 
 def _packed_columns(bits_SxRxV, scale_SxV, slot_ids_B, ids_BxT, k: int, group_k: int):
-  """The 1-bit delta rows ``α[s, id] · S[s][:, id]`` of the given tokens, f32 ``[B, T, K]``."""
+  """The 1-bit delta rows ``α[s, id] · S[s][:, id]`` of the given tokens, f32 ``[B, T, K]``.
+
+  The batch's columns are gathered first (``[B·T, K/8]`` bytes) and only those are unpacked, on
+  every platform: no kernel is needed, nothing of the table's ``[K/8, V]`` size is expanded
+  (`tests/kernels/test_cuda_lowering.py` checks this in the CUDA step)."""
   b, t = ids_BxT.shape
   cols = bits_SxRxV[slot_ids_B[:, None], :, ids_BxT]  # [B, T, R]
   signs = unpack_signs(cols.reshape(b * t, -1, 1), (k, 1), group_k)[..., 0]  # [B*T, K]
