@@ -1,0 +1,201 @@
+"""Fidelity of real variants over a quantized base (issue 36, item 6) →
+bench/results/fidelity_quant.{json,md}.
+
+The base is SmolLM2-135M-Instruct as imported (`bitdelta zoo real-base`: the wheel's Q4_1 GGUF
+dequantized to f32), requantized to ggml Q8_0 and Q4_0 (`bitdelta_jax.hf.gguf_export.write_gguf`,
+bit-identical to the `gguf` package's quantizer). For each real fine-tune
+(`bitdelta_jax.zoo.real_family`) and format:
+
+* ``base``: the quantized base itself (its own drop: NLL and KL against the fine-tune, beside the
+  f32 base's);
+* ``fine-tune quantized``: the fine-tune written to the same format (what a llama.cpp user
+  would run: one quantized file per variant);
+* ``bitdelta per-column``: the 1-bit delta taken against the quantized base
+  (``Δ = W_ft − dequant(W_q)``, `compress_checkpoints` with the GGUF file as base), served over it;
+* ``bitdelta per-column +distill``: its scales distilled against the quantized base
+  (`distill_checkpoint` with the GGUF file as base).
+
+Models are evaluated as dense f32 weights: dequant(W_q) (+ the delta): the server computes the
+same products over the blocks (`pallas_kernels.quant_matmul`, tested equal to the dequantized
+f32 product). The f32-base rows (fine-tune, per-column +distill over the f32 base) are read
+from ``fidelity_real.json`` when present (same prompts, same recipe), else computed here.
+
+    python bench/fidelity_quant_bench.py [--variants smol-math ...] [--formats q8_0 q4_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity_real_bench import evaluate, tensor_bytes  # noqa: E402
+from machine import describe  # noqa: E402
+
+from bitdelta_jax.delta.compress import CompressPolicy  # noqa: E402
+from bitdelta_jax.delta.store import load_delta, read_manifest  # noqa: E402
+from bitdelta_jax.hf.gguf_checkpoint import resolve_base  # noqa: E402
+from bitdelta_jax.hf.gguf_export import write_gguf  # noqa: E402
+from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
+from bitdelta_jax.models import from_pretrained  # noqa: E402
+from bitdelta_jax.models.loading import from_tensors, load_config  # noqa: E402
+from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
+from bitdelta_jax.zoo import real_family as rf  # noqa: E402
+from bitdelta_jax.zoo.real_base import import_real_base  # noqa: E402
+
+GOAL_POINTS = 1.0  # issue 36 item 6: distilled variants within 1 point of their fine-tunes
+
+
+def _tensors(path) -> dict:
+  with CheckpointReader(resolve_base(path)) as r:
+    return {n: r.read(n) for n in r.names()}
+
+
+def run(name: str, fmt: str, base_dir: Path, base_q: Path, mc, tok, work: Path, args) -> dict:
+  from bitdelta_jax.delta.stream import compress_checkpoints
+  from bitdelta_jax.distill import DistillConfig, distill_checkpoint
+
+  t0 = time.time()
+  ft_dir = rf.ensure_real_finetune(name, progress=False)
+  teacher = from_pretrained(ft_dir, jnp.float32)
+  examples = rf.heldout(name, args.n_eval)
+  rows: dict = {}
+
+  def record(label, res, manifest=None):
+    res.pop("hits", None)
+    if manifest is not None:
+      res["bytes"] = tensor_bytes(manifest)
+    rows[label] = res
+    print(f"  {name:12s} {fmt:5s} {label:30s} score {res['score']:5.1f}  nll {res['nll']:.3f}"
+          + (f"  kl {res['kl']:.4f}" if res.get("kl") is not None else ""), flush=True)
+
+  base_t = _tensors(base_q)
+  record("base", rf.score(from_tensors(mc, base_t, jnp.float32), examples, tok,
+                          reference=teacher))
+  ft_q = work / f"{name}.{fmt}.gguf"
+  write_gguf(ft_dir, ft_q, dtype=fmt)
+  record("fine-tune quantized", rf.score(from_tensors(mc, _tensors(ft_q), jnp.float32), examples,
+                                         tok, reference=teacher))
+  d = work / f"{name}-{fmt}-column"
+  m = compress_checkpoints(base_q, ft_dir, d, CompressPolicy(granularity="column"),
+                           embeddings="1bit", overwrite=True, progress=False)
+  formats = (m["base"].get("quantization") or {}).get("formats", {})
+  if fmt not in formats:
+    raise AssertionError(f"the delta's base fingerprint is not a {fmt} base: {formats}")
+  record("bitdelta per-column", evaluate(mc, base_t, load_delta(d)[0], teacher, tok, examples), m)
+  dd = work / f"{name}-{fmt}-column-distilled"
+  shutil.rmtree(dd, ignore_errors=True)
+  shutil.copytree(d, dd)
+  info = distill_checkpoint(base_q, ft_dir, dd, rf.calibration_ids(tok, name),
+                            DistillConfig(steps=args.distill_steps, seq=64, batch=4, lr=1e-4),
+                            progress=False)
+  record("bitdelta per-column +distill",
+         evaluate(mc, base_t, load_delta(dd)[0], teacher, tok, examples), read_manifest(dd))
+  rows["bitdelta per-column +distill"]["distill"] = {
+    k: info.get(k) for k in ("steps", "held_mse_before", "held_mse_after", "seconds")}
+  shutil.rmtree(d, ignore_errors=True)
+  shutil.rmtree(dd, ignore_errors=True)
+  ft_q.unlink(missing_ok=True)
+  return {"rows": rows, "seconds": time.time() - t0}
+
+
+def f32_rows(name: str, base_dir: Path, tok, args, previous: dict) -> dict:
+  """The f32 base's rows: from fidelity_real.json (same prompts and recipe) or computed."""
+  v = previous.get(name)
+  keep = ("base", "fine-tune", "bitdelta per-column", "bitdelta per-column +distill")
+  if v and v.get("n_eval") == args.n_eval:
+    return {k: v["rows"][k] for k in keep if k in v["rows"]}
+  ft_dir = rf.ensure_real_finetune(name, progress=False)
+  teacher = from_pretrained(ft_dir, jnp.float32)
+  examples = rf.heldout(name, args.n_eval)
+  out = {"base": rf.score(from_pretrained(base_dir, jnp.float32), examples, tok,
+                          reference=teacher),
+         "fine-tune": rf.score(teacher, examples, tok, reference=teacher)}
+  for r in out.values():
+    r.pop("hits", None)
+  return out
+
+
+def write_md(out: Path, result: dict) -> None:
+  L = ["# Real variants over a quantized base (SmolLM2-135M-Instruct, Q8_0 and Q4_0)", "",
+       f"Machine: {result['machine']}. Commit {result['commit']}. Held-out prompts per variant: "
+       f"{result['n_eval']}. Base: {result['base']}. Score: greedy exact match (%); NLL per "
+       "answer token; KL(fine-tune ‖ model) per answer token. Deltas are taken against the "
+       "quantized weights (Δ = W_ft − dequant(W_q)) and served over them; `+distill`: scales "
+       f"distilled against the quantized base ({result['distill_steps']} steps).", "",
+       "| variant | base format | method | score | Δ vs FT | NLL | KL |",
+       "|---|---|---|---:|---:|---:|---:|"]
+  for name, v in result["variants"].items():
+    ft = v["f32"]["fine-tune"]["score"]
+    for fmt, rows in [("f32", v["f32"]), *v["formats"].items()]:
+      for label, r in rows.items():
+        if fmt != "f32" or label in ("base", "fine-tune", "bitdelta per-column +distill"):
+          kl = f"{r['kl']:.4f}" if r.get("kl") is not None else ""
+          L.append(f"| {name} | {fmt} | {label} | {r['score']:.1f} | {r['score'] - ft:+.1f} | "
+                   f"{r['nll']:.3f} | {kl} |")
+  L += ["", "## Goals (issue 36, item 6)", ""] + [f"- {g}" for g in result["goals"]]
+  (out / "fidelity_quant.md").write_text("\n".join(L) + "\n")
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--variants", nargs="*", default=list(rf.VARIANTS))
+  p.add_argument("--formats", nargs="*", default=["q8_0", "q4_0"])
+  p.add_argument("--n-eval", type=int, default=48)
+  p.add_argument("--distill-steps", type=int, default=16)
+  p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  args = p.parse_args()
+  base_dir = import_real_base()
+  tok = Tokenizer.from_dir(base_dir)
+  mc = load_config(base_dir)
+  out = Path(args.out)
+  commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, cwd=Path(__file__).parent).stdout.strip() or "unknown"
+  previous = {}
+  if (out / "fidelity_real.json").exists():
+    old = json.loads((out / "fidelity_real.json").read_text())
+    previous = {n: {**v, "n_eval": old.get("n_eval")} for n, v in old["variants"].items()}
+  result = {"machine": describe(), "commit": commit, "n_eval": args.n_eval,
+            "distill_steps": args.distill_steps,
+            "base": "SmolLM2-135M-Instruct as imported (the wheel's Q4_1 GGUF dequantized to "
+                    "f32), requantized by write_gguf", "variants": {}}
+  with tempfile.TemporaryDirectory() as tmp:
+    work = Path(tmp)
+    bases = {}
+    for fmt in args.formats:
+      bases[fmt] = write_gguf(base_dir, work / f"base.{fmt}.gguf", dtype=fmt)
+    for name in args.variants:
+      v = {"f32": f32_rows(name, base_dir, tok, args, previous), "formats": {}, "seconds": {}}
+      for fmt in args.formats:
+        r = run(name, fmt, base_dir, bases[fmt], mc, tok, work, args)
+        v["formats"][fmt], v["seconds"][fmt] = r["rows"], r["seconds"]
+        (Path(tempfile.gettempdir()) / f"fidelity_quant_{name}.json").write_text(
+          json.dumps(v, indent=1, default=float))
+      result["variants"][name] = v
+  goals = []
+  for name, v in result["variants"].items():
+    ft = v["f32"]["fine-tune"]["score"]
+    for fmt, rows in v["formats"].items():
+      d = rows["bitdelta per-column +distill"]["score"] - ft
+      dq = rows["fine-tune quantized"]["score"] - ft
+      goals.append(f"{name} over {fmt}: distilled BitDelta {d:+.1f} points vs the f32 fine-tune "
+                   f"({'met' if d >= -GOAL_POINTS else 'missed'}, goal within {GOAL_POINTS}); "
+                   f"the fine-tune itself quantized to {fmt}: {dq:+.1f}; the {fmt} base's NLL "
+                   f"{rows['base']['nll']:.3f} vs f32 base {v['f32']['base']['nll']:.3f}")
+  result["goals"] = goals
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "fidelity_quant.json").write_text(json.dumps(result, indent=1, default=float))
+  write_md(out, result)
+  print("\n".join(goals))
+
+
+if __name__ == "__main__":
+  main()
