@@ -192,31 +192,35 @@ def dot_forms_bench(rounds: int) -> list[dict]:
   from bitdelta_jax.models import LlamaForCausalLM, ModelConfig, layers
   from pallas_kernels.small_matmul.cpu_bf16 import small_matmul_bf16
 
-  def flat(f):
-    return lambda x, w, impl: (
-      f(x.reshape(-1, x.shape[-1]), w).astype(x.dtype).reshape(*x.shape[:-1], -1)
-    )
+  def as_product(f):
+    """``DeltaDense``'s product (`layers.delta_matmul`, no bank in this model) as ``f``."""
+
+    def product(x, w, *bank, preferred_element_type=None, **_):
+      assert not bank, "the model has no variant slots"
+      return f(x, w).astype(preferred_element_type or x.dtype)
+
+    return product
 
   forms = {
-    "xla_bf16_result": lambda x, w, impl: jnp.dot(x, w),
-    "xla_f32_sums": flat(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
-    "kernel": flat(small_matmul_bf16),
+    "xla_bf16_result": as_product(jnp.dot),
+    "xla_f32_sums": as_product(lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)),
+    "kernel": as_product(small_matmul_bf16),
   }
   model = LlamaForCausalLM(
     ModelConfig(**{**SMOL, "num_layers": 4}), dtype=jnp.bfloat16, rngs=nnx.Rngs(0)
   )
   graphdef, state = nnx.split(model)
-  original, out = layers._base_matmul, []
+  original, out = layers.delta_matmul, []
   for rows in (1, 2, 4, 8, 16, 64):
     ids = jnp.asarray((np.arange(rows)[:, None] * 7 + 11), jnp.int32)
     progs = {}
     try:
       for name, form in forms.items():
-        layers._base_matmul = form
+        layers.delta_matmul = form
         f = jax.jit(lambda st, ids: nnx.merge(graphdef, st)(ids))
         progs[name] = f.lower(state, ids).compile()
     finally:
-      layers._base_matmul = original
+      layers.delta_matmul = original
     med, best = _interleaved(
       {n: (lambda p=p, ids=ids: p(state, ids)) for n, p in progs.items()}, rounds
     )
