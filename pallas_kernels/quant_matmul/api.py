@@ -5,11 +5,17 @@ Implementations (``implementation=``), in order of preference:
 
 * ``"cpu_rows"``: the native CPU kernel (`cpu_rows`), blocks dequantized in registers and every
   slot's delta fused into the same pass; one CPU device.
+* ``"mosaic_gpu"``: Mosaic GPU kernels for Hopper (`mosaic_gpu`): the blocks TMA-copied and
+  dequantized in registers to x's dtype (bf16 / f16 x only), each slot's delta term fused;
+  ``interpret=True`` runs them in the Mosaic GPU interpreter on CPU (tests).
 * ``"reference"``: `reference.quant_matmul_reference` (dequantizes the whole matrix inside the
   program: any backend, the definition).
 
-``implementation=None`` takes the first that can run; `fallback_reasons` says why each one
-before it could not. Naming one that cannot run raises with the reason.
+``implementation=None`` takes the first of the target platform's (`pallas_kernels.platform`:
+the default backend, or the one `lowering_platform` sets) that can run: ``cpu_rows`` then the
+reference on CPU, ``mosaic_gpu`` then the reference under CUDA, the reference elsewhere;
+`fallback_reasons` says why each one before it could not. Naming one that cannot run raises
+with the reason.
 """
 
 from __future__ import annotations
@@ -17,13 +23,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.bits import group_k_for
+from pallas_kernels.bits import DEFAULT_GROUP_K, group_k_for
 from pallas_kernels.delta_matmul.api import check_delta_operands
+from pallas_kernels.platform import hopper_reason, override, target_platform
 
+from . import mosaic_gpu
 from .blocks import QuantizedKernel
-from .reference import quant_matmul_reference
+from .reference import quant_matmul_reference, with_reference_vjp
 
-IMPLEMENTATIONS = ("cpu_rows", "reference")
+IMPLEMENTATIONS = ("cpu_rows", "mosaic_gpu", "reference")
+_PREFERENCE = {"cpu": ("cpu_rows", "reference"), "cuda": ("mosaic_gpu", "reference")}
 __all__ = ["IMPLEMENTATIONS", "fallback_reasons", "quant_matmul", "unavailable_reason"]
 
 
@@ -35,8 +44,10 @@ def _cpu_rows():
   return cpu_rows
 
 
-def unavailable_reason(name: str, x: jax.Array, qk: QuantizedKernel) -> str | None:
-  """None if ``name`` computes ``x · qk`` here, else why not."""
+def unavailable_reason(name: str, x: jax.Array, qk: QuantizedKernel, bits=None,
+                       group_k: int = DEFAULT_GROUP_K, *, interpret: bool = False) -> str | None:
+  """None if ``name`` computes ``x · qk`` (+ the delta term of ``bits``, packed with
+  ``group_k_for(K, group_k)``) on the target platform, else why not."""
   if name == "reference":
     return None
   if name == "cpu_rows":
@@ -44,17 +55,36 @@ def unavailable_reason(name: str, x: jax.Array, qk: QuantizedKernel) -> str | No
     if mod is None:
       return "the native quantized kernel is not part of this build"
     return mod.unavailable_reason() or mod.shapes_supported(x.shape[0], qk)
+  if name == "mosaic_gpu":
+    if reason := mosaic_gpu.unavailable_reason(interpret=interpret):
+      return reason
+    if not interpret:
+      platform = target_platform()
+      if platform != "cuda":
+        note = "" if override() is None else " (set by lowering_platform)"
+        return (f"the Mosaic GPU kernels need a CUDA GPU (Hopper), the target platform is "
+                f"{platform!r}{note} (interpret=True runs them on CPU)")
+      if reason := hopper_reason():
+        return reason
+    g = group_k_for(qk.shape[0], group_k)
+    return mosaic_gpu.shapes_supported(x.shape, x.dtype, qk, None if bits is None else bits.shape,
+                                       g)
   raise ValueError(f"unknown implementation {name!r}; choose from {IMPLEMENTATIONS} or None")
 
 
-def fallback_reasons(x: jax.Array, qk: QuantizedKernel) -> dict[str, str | None]:
-  """Each implementation in preference order with why it cannot run (None: it can)."""
-  return {name: unavailable_reason(name, x, qk) for name in IMPLEMENTATIONS}
+def fallback_reasons(x: jax.Array, qk: QuantizedKernel, bits=None,
+                     group_k: int = DEFAULT_GROUP_K, *,
+                     interpret: bool = False) -> dict[str, str | None]:
+  """The target platform's implementations in preference order, each with why it cannot run
+  (None: it can)."""
+  names = _PREFERENCE.get(target_platform(), ("reference",))
+  return {name: unavailable_reason(name, x, qk, bits, group_k, interpret=interpret)
+          for name in names}
 
 
 def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
                  scale: jax.Array | None = None, slot_ids: jax.Array | None = None, *,
-                 group_k: int, implementation: str | None = None,
+                 group_k: int, implementation: str | None = None, interpret: bool = False,
                  preferred_element_type=None) -> jax.Array:
   """``[M, N]``: ``x · dequant(qk)`` (+ ``α_s ⊙ (x · S_s)`` per row, as `delta_matmul`).
 
@@ -66,6 +96,7 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
     group_k: the bit planes' packing ``group_k`` (the group used is
       ``pallas_kernels.bits.group_k_for(K, group_k)``, as `delta_matmul`).
     implementation: one of `IMPLEMENTATIONS`, or None for the best that can run.
+    interpret: run the Mosaic GPU kernels in the interpreter (tests, CPU).
     preferred_element_type: the result's dtype (default ``x.dtype``); sums are f32.
   """
   if x.ndim != 2 or x.shape[1] != qk.shape[0]:
@@ -74,12 +105,16 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
   check_delta_operands(x, qk.shape, bits, scale, slot_ids, g)
   out = jnp.dtype(preferred_element_type or x.dtype)
   if implementation is None:
-    reasons = fallback_reasons(x, qk)
+    reasons = fallback_reasons(x, qk, bits, g, interpret=interpret)
     implementation = next(name for name, why in reasons.items() if why is None)
-  elif reason := unavailable_reason(implementation, x, qk):
+  elif reason := unavailable_reason(implementation, x, qk, bits, g, interpret=interpret):
     raise RuntimeError(f"quant_matmul implementation {implementation!r} cannot run: {reason}")
   if implementation == "reference":
     y = quant_matmul_reference(x, qk, bits, scale, slot_ids, group_k=g)
+  elif implementation == "mosaic_gpu":
+    kernel = lambda x, s, q, b, i: mosaic_gpu.quant_matmul_mosaic(  # noqa: E731
+      x, q, b, s, i, group_k=g, interpret=interpret)
+    y = with_reference_vjp(kernel, g)(x, scale, qk, bits, slot_ids)
   else:
     y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=g)
   return y.astype(out)

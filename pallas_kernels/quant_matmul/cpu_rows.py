@@ -33,7 +33,7 @@ from pallas_kernels.bits import group_k_for
 from pallas_kernels.native.build import build as build_native
 
 from .blocks import BLOCK, FORMATS, QuantizedKernel
-from .reference import quant_matmul_reference
+from .reference import with_reference_vjp
 
 MAX_ROWS = 512
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
@@ -109,25 +109,7 @@ def rows_call(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
     raise NotImplementedError(reason)
   group_k = group_k_for(qk.shape[0], group_k)  # the group the bits were packed with
   kernel = functools.partial(_kernel, group_k=group_k, target=target)
-
-  @jax.custom_vjp
-  def f(x, scale, qk, bits, slot_ids):
-    return kernel(x, scale, qk, bits, slot_ids)
-
-  def fwd(x, scale, qk, bits, slot_ids):
-    return kernel(x, scale, qk, bits, slot_ids), (x, scale, qk, bits, slot_ids)
-
-  def bwd(res, ct):
-    x, scale, qk, bits, slot_ids = res
-    if bits is None:
-      _, vjp = jax.vjp(lambda x: quant_matmul_reference(x, qk, group_k=group_k), x)
-      return (*vjp(ct), None, None, None, None)
-    _, vjp = jax.vjp(lambda x, s: quant_matmul_reference(x, qk, bits, s, slot_ids,
-                                                         group_k=group_k), x, scale)
-    return (*vjp(ct), None, None, None)
-
-  f.defvjp(fwd, bwd)
-  return f(x, scale, qk, bits, slot_ids)
+  return with_reference_vjp(kernel, group_k)(x, scale, qk, bits, slot_ids)
 
 
 def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target):

@@ -31,3 +31,27 @@ def quant_matmul_reference(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | 
   zero = jnp.zeros((1, qk.shape[1]), jnp.float32)  # broadcast: no [K, N] zeros materialised
   zero = jnp.broadcast_to(zero, qk.shape)
   return y + delta_matmul_reference(x32, zero, bits, scale, slot_ids, group_k=group_k)
+
+
+def with_reference_vjp(kernel, group_k: int):
+  """``kernel(x, scale, qk, bits, slot_ids)`` (a kernel XLA cannot differentiate through) with
+  the reference's gradients in x and scale; the blocks, bits and slot ids are constants."""
+
+  @jax.custom_vjp
+  def f(x, scale, qk, bits, slot_ids):
+    return kernel(x, scale, qk, bits, slot_ids)
+
+  def fwd(x, scale, qk, bits, slot_ids):
+    return kernel(x, scale, qk, bits, slot_ids), (x, scale, qk, bits, slot_ids)
+
+  def bwd(res, ct):
+    x, scale, qk, bits, slot_ids = res
+    if bits is None:
+      _, vjp = jax.vjp(lambda x: quant_matmul_reference(x, qk, group_k=group_k), x)
+      return (*vjp(ct), None, None, None, None)
+    _, vjp = jax.vjp(lambda x, s: quant_matmul_reference(x, qk, bits, s, slot_ids,
+                                                         group_k=group_k), x, scale)
+    return (*vjp(ct), None, None, None)
+
+  f.defvjp(fwd, bwd)
+  return f
