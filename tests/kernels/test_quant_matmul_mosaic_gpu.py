@@ -259,6 +259,7 @@ def quant_runner():
   return ql.build_runner("q4_1")
 
 
+@pytest.mark.slow  # builds a model and lowers whole steps (~10 s each)
 @pytest.mark.parametrize("tokens,base_only", [(32, False), (1, True)])
 def test_whole_step_of_a_gguf_model_lowers_for_cuda(quant_runner, tokens, base_only):
   runner, cfg = quant_runner
@@ -271,6 +272,7 @@ def test_whole_step_of_a_gguf_model_lowers_for_cuda(quant_runner, tokens, base_o
   assert not [c for c in row["custom_calls"] if c.startswith("bitdelta")], row["custom_calls"]
 
 
+@pytest.mark.slow
 def test_the_check_finds_the_reference_dequantizing(quant_runner, monkeypatch):
   runner, cfg = quant_runner
   monkeypatch.setitem(api._PREFERENCE, "cuda", ("reference",))
@@ -279,6 +281,7 @@ def test_the_check_finds_the_reference_dequantizing(quant_runner, monkeypatch):
   assert len(row["dequantized"]) >= 7  # every layer's q/k/v/o/gate/up/down and the head
 
 
+@pytest.mark.slow  # a subprocess with 8 forced host devices (~35 s)
 def test_whole_step_lowers_over_8_devices():
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
          "JAX_PLATFORMS": "cpu"}
