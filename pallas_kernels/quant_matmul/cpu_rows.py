@@ -36,6 +36,8 @@ from .blocks import BLOCK, FORMATS, QuantizedKernel
 from .reference import with_reference_vjp
 
 MAX_ROWS = 512
+ACTIVATIONS = ("f32", "int8")
+DEFAULT_ACTIVATIONS = "f32"
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
@@ -95,9 +97,19 @@ def shapes_supported(rows: int, qk: QuantizedKernel) -> str | None:
   return None
 
 
+def activations_for(rows: int, activations: str | None = None) -> str:
+  """The activation mode a call of ``rows`` rows runs with: ``activations`` if given, else
+  ``$BITDELTA_QUANT_ACTIVATIONS`` (read when a program is traced), else the default."""
+  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or DEFAULT_ACTIVATIONS
+  if mode not in ACTIVATIONS:
+    raise ValueError(f"quantized activations {mode!r}: choose from {ACTIVATIONS}")
+  return mode
+
+
 def rows_call(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
               scale: jax.Array | None = None, slot_ids: jax.Array | None = None, *,
-              group_k: int = 8, target: str = _TARGET) -> jax.Array:
+              group_k: int = 8, target: str = _TARGET,
+              activations: str | None = None) -> jax.Array:
   """f32 ``[M, N]``: ``x · dequant(qk)`` plus, for each row m with ``slot_ids[m] > 0``,
   ``α_s ⊙ (x[m] · S_s)``. One variant for every row: bits ``[KP, N]``, scale ``[1|N]``,
   slot_ids None (read in place). A bank: bits ``[S, KP, N]``, scale ``[S, 1|N]``, slot_ids
@@ -108,11 +120,12 @@ def rows_call(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
   if reason := shapes_supported(x.shape[0], qk):
     raise NotImplementedError(reason)
   group_k = group_k_for(qk.shape[0], group_k)  # the group the bits were packed with
-  kernel = functools.partial(_kernel, group_k=group_k, target=target)
+  act = activations_for(x.shape[0], activations)
+  kernel = functools.partial(_kernel, group_k=group_k, target=target, act=act)
   return with_reference_vjp(kernel, group_k)(x, scale, qk, bits, slot_ids)
 
 
-def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target):
+def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target, act):
   m, n = x.shape[0], qk.shape[1]
   call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32),
                           vmap_method="sequential")
@@ -135,4 +148,5 @@ def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target):
     delta = 1
   return call(x.astype(jnp.float32), qk.qs, d, mins, bits.astype(jnp.uint8), scale, slot_ids,
               fmt=np.int64(_FORMAT_ID[qk.format]), group_k=np.int64(group_k),
-              first_slot=np.int64(first), delta=np.int64(delta))
+              first_slot=np.int64(first), delta=np.int64(delta),
+              act=np.int64(ACTIVATIONS.index(act)))

@@ -28,6 +28,7 @@
 // Backend: AVX2 + FMA + F16C intrinsics (-march=native; AVX-512 CPUs run the same 256-bit
 // code); without them plain scalar loops (the portable build: correctness, not speed).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
@@ -90,6 +91,11 @@ struct Pass {
   const float* sx;       // [M, nb]: Σ x over each block (Q4_1 and the deltas)
   int64_t M;
   const std::vector<Group>* slots;  // the slots present (s > 0) with their rows
+  // int8 activations (act 1): x per row and 32-block as ggml's Q8_0, with an f32 scale
+  const int8_t* xq;     // [M, K] q = round-half-even(x / d), |q| <= 127
+  const int16_t* x16;   // [M, K] the same q as int16 (q8_0's madd_epi16 pairs)
+  const float* xd;      // [M, nb] d = max|x| / 127
+  const int32_t* xqs;   // [M, nb] Σ q (q4_0's −8 offset, q4_1's m·d·Σq: ggml's Q8_1 sum)
 };
 
 struct Args {
@@ -148,6 +154,64 @@ void BaseScalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
       }
     }
   }
+}
+
+// x quantized per row and 32-block (ggml's quantize_row_q8_0 with an f32 scale): d = max|x|/127,
+// q = x · (1/d) rounded to nearest, ties to even (ggml's reference rounds ties away; its AVX2
+// path to even); an all-zero block has d = 0 and q = 0. x must be finite. The same scalar code
+// in every build, so every build computes the same q.
+void QuantizeActivations(const float* x, int64_t M, int64_t K, int8_t* q, int16_t* q16,
+                         float* d, int32_t* qsum) {
+  const int64_t nb = K / kBlock;
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      float amax = 0.f;
+      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+      const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+      int32_t s = 0;
+      for (int j = 0; j < kBlock; ++j) {
+        const int v = std::clamp(int(std::nearbyint(xb[j] * id)), -127, 127);
+        q[r * K + b * kBlock + j] = int8_t(v);
+        if (q16) q16[r * K + b * kBlock + j] = int16_t(v);
+        s += v;
+      }
+      d[r * nb + b] = dd;
+      qsum[r * nb + b] = s;
+    }
+}
+
+// the stored integer of block b, in-block row j, column n: q8_0's q, q4's unsigned nibble
+inline int32_t qint(const Args& a, int64_t b, int j, int64_t n) {
+  if (a.fmt == kQ8_0) return int8_t(a.qs[(b * 32 + j) * a.N + n]);
+  const uint8_t byte = a.qs[(b * 16 + (j & 15)) * a.N + n];
+  return j < 16 ? byte & 15 : byte >> 4;
+}
+
+// the int8-activation block product's f32 step, shared by every path: y += (d_w·d_x)·Σ q_x·q_w
+// (q4_0: Σ q_x·(nibble − 8) = Σ q_x·nibble − 8·Σ q_x), + m_w·(d_x·Σ q_x) for q4_1
+inline float BlockI8(Format fmt, float y, int32_t isum, float dw, float mw, float dx, int32_t qsum) {
+  if (fmt == kQ4_0) isum -= 8 * qsum;
+  y += (dw * dx) * float(isum);  // |isum| <= 32·127·128 < 2^24: exact in f32
+  if (fmt == kQ4_1) y += mw * (dx * float(qsum));
+  return y;
+}
+
+// acc[r, n0:n1] += the int8-activation product of blocks b0:b1, one column at a time
+void BaseI8Scalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+                  int64_t n1) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t n = n0; n < n1; ++n) {
+      const float dw = half_to_float(a.d[b * a.N + n]);
+      const float mw = a.fmt == kQ4_1 ? half_to_float(a.m[b * a.N + n]) : 0.f;
+      for (int64_t r = 0; r < p.M; ++r) {
+        const int8_t* xq = p.xq + r * a.K + b * kBlock;
+        int32_t s = 0;
+        for (int j = 0; j < 32; ++j) s += int32_t(xq[j]) * qint(a, b, j, n);
+        float& y = acc[r * a.N + n];
+        y = BlockI8(a.fmt, y, s, dw, mw, p.xd[r * a.nb + b], p.xqs[r * a.nb + b]);
+      }
+    }
 }
 
 #if QROWS_AVX2
@@ -330,25 +394,182 @@ void Delta(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int
   }
 }
 
+// int8 activations, the f32 step of 8 columns: y[0:8] = BlockI8(...) on int32 sums v
+template <Format F>
+inline void StoreI8(const Args& a, const Pass& p, float* y, __m256i v, int64_t b, int64_t row,
+                    int64_t n) {
+  const int64_t i = row * a.nb + b;
+  const float dx = p.xd[i];
+  const int32_t qsum = p.xqs[i];
+  if constexpr (F == kQ4_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(8 * qsum));
+  const __m256 dw = _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.d + b * a.N + n)));
+  __m256 out = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(dx)), _mm256_cvtepi32_ps(v),
+                               _mm256_loadu_ps(y));
+  if constexpr (F == kQ4_1) {
+    const __m256 mw = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(a.m + b * a.N + n)));
+    out = _mm256_fmadd_ps(mw, _mm256_set1_ps(dx * float(qsum)), out);
+  }
+  _mm256_storeu_ps(y, out);
+}
+
+// q8_0, int8 activations: 16 columns from n, R rows from row0. Per pair of K rows the two
+// weight rows are widened to int16 and interleaved per column (vpunpck{l,h}wd), and one
+// vpmaddwd against the broadcast pair (q_x[2t], q_x[2t+1]) adds both products into the column's
+// int32 sum: 16 multiply-adds an instruction. |sum| <= 32·128·127.
+template <int R>
+inline void TileQ8I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0,
+                     int64_t n) {
+  const int64_t N = a.N, K = a.K;
+  __m256i s[R][2];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
+  const uint8_t* q = a.qs + b * 32 * N + n;
+  const int16_t* xb = p.x16 + row0 * K + b * kBlock;
+#pragma GCC unroll 4
+  for (int t = 0; t < 16; ++t) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * t * N)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * t + 1) * N)));
+    const __m256i lo = _mm256_unpacklo_epi16(w0, w1);  // columns [0-3 | 8-11]
+    const __m256i hi = _mm256_unpackhi_epi16(w0, w1);  // columns [4-7 | 12-15]
+#pragma GCC unroll 4
+    for (int i = 0; i < R; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, xb + i * K + 2 * t, 4);
+      const __m256i xv = _mm256_set1_epi32(pair);
+      s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(lo, xv));
+      s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(hi, xv));
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) {
+    float* y = acc + (row0 + i) * N + n;
+    StoreI8<kQ8_0>(a, p, y, _mm256_permute2x128_si256(s[i][0], s[i][1], 0x20), b, row0 + i, n);
+    StoreI8<kQ8_0>(a, p, y + 8, _mm256_permute2x128_si256(s[i][0], s[i][1], 0x31), b, row0 + i,
+                   n + 8);
+  }
+}
+
+// q4_0 / q4_1, int8 activations: 32 columns from n, R rows from row0. Per pair of byte rows
+// (2t, 2t+1) the low nibbles (K rows 2t, 2t+1) and the high ones (16 + 2t, 17 + 2t) are
+// interleaved per column (vpunpck{l,h}bw) and vpmaddubsw multiplies them (unsigned 0..15)
+// by the broadcast int8 pair of x: one int16 per column, 32 multiply-adds an instruction. The
+// int16 sums of each half block stay below 8·2·15·127 = 30480 (no saturation); at the block's
+// end the two halves are added in int32 (vpmaddwd by ones). q4_0's −8 is −8·Σq_x (`BlockI8`).
+template <Format F, int R>
+inline void TileQ4I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0,
+                     int64_t n) {
+  const int64_t N = a.N, K = a.K;
+  // [i][0]: columns [0-7 | 16-23], [i][1]: [8-15 | 24-31] (vpunpck works within 128-bit lanes)
+  __m256i sl[R][2], sh[R][2];
+#pragma GCC unroll 2
+  for (int i = 0; i < R; ++i)
+    sl[i][0] = sl[i][1] = sh[i][0] = sh[i][1] = _mm256_setzero_si256();
+  const uint8_t* q = a.qs + b * 16 * N + n;
+  const int8_t* xb = p.xq + row0 * K + b * kBlock;
+  const __m256i m4 = _mm256_set1_epi8(15);
+#pragma GCC unroll 2
+  for (int t = 0; t < 8; ++t) {
+    const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 2 * t * N));
+    const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (2 * t + 1) * N));
+    const __m256i l0 = _mm256_and_si256(r0, m4), l1 = _mm256_and_si256(r1, m4);
+    const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(r0, 4), m4);
+    const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(r1, 4), m4);
+    const __m256i la = _mm256_unpacklo_epi8(l0, l1), lb = _mm256_unpackhi_epi8(l0, l1);
+    const __m256i ha = _mm256_unpacklo_epi8(h0, h1), hb = _mm256_unpackhi_epi8(h0, h1);
+#pragma GCC unroll 2
+    for (int i = 0; i < R; ++i) {
+      int16_t xl, xh;
+      std::memcpy(&xl, xb + i * K + 2 * t, 2);
+      std::memcpy(&xh, xb + i * K + 16 + 2 * t, 2);
+      const __m256i vl = _mm256_set1_epi16(xl), vh = _mm256_set1_epi16(xh);
+      sl[i][0] = _mm256_add_epi16(sl[i][0], _mm256_maddubs_epi16(la, vl));
+      sl[i][1] = _mm256_add_epi16(sl[i][1], _mm256_maddubs_epi16(lb, vl));
+      sh[i][0] = _mm256_add_epi16(sh[i][0], _mm256_maddubs_epi16(ha, vh));
+      sh[i][1] = _mm256_add_epi16(sh[i][1], _mm256_maddubs_epi16(hb, vh));
+    }
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 2
+  for (int i = 0; i < R; ++i) {
+    const __m256i p0 = _mm256_madd_epi16(_mm256_unpacklo_epi16(sl[i][0], sh[i][0]), ones);
+    const __m256i p1 = _mm256_madd_epi16(_mm256_unpackhi_epi16(sl[i][0], sh[i][0]), ones);
+    const __m256i p2 = _mm256_madd_epi16(_mm256_unpacklo_epi16(sl[i][1], sh[i][1]), ones);
+    const __m256i p3 = _mm256_madd_epi16(_mm256_unpackhi_epi16(sl[i][1], sh[i][1]), ones);
+    // p0: [0-3 | 16-19], p1: [4-7 | 20-23], p2: [8-11 | 24-27], p3: [12-15 | 28-31]
+    float* y = acc + (row0 + i) * N + n;
+    const int64_t r = row0 + i;
+    StoreI8<F>(a, p, y, _mm256_permute2x128_si256(p0, p1, 0x20), b, r, n);
+    StoreI8<F>(a, p, y + 8, _mm256_permute2x128_si256(p2, p3, 0x20), b, r, n + 8);
+    StoreI8<F>(a, p, y + 16, _mm256_permute2x128_si256(p0, p1, 0x31), b, r, n + 16);
+    StoreI8<F>(a, p, y + 24, _mm256_permute2x128_si256(p2, p3, 0x31), b, r, n + 24);
+  }
+}
+
+// int8 activations over blocks b0:b1, columns n0:n1: per block, per tile of columns, the rows
+// in tiles of 4 (q8_0) or 2 (q4), the tile's bytes read from L1 again for each row tile
+template <Format F>
+void BaseI8(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+            int64_t n1) {
+  constexpr int64_t kCols = F == kQ8_0 ? 16 : 32;
+  constexpr int kRows = F == kQ8_0 ? 4 : 2;
+  const int64_t nv = n0 + (n1 - n0) / kCols * kCols;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b + 1 < b1)
+      for (int64_t j = 0; j < a.qrows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
+                     _MM_HINT_T0);
+    for (int64_t n = n0; n < nv; n += kCols)
+      for (int64_t r = 0; r < p.M; r += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, p.M - r);
+        if constexpr (F == kQ8_0) {
+          switch (rows) {
+            case 1: TileQ8I8<1>(a, p, acc, b, r, n); break;
+            case 2: TileQ8I8<2>(a, p, acc, b, r, n); break;
+            case 3: TileQ8I8<3>(a, p, acc, b, r, n); break;
+            default: TileQ8I8<4>(a, p, acc, b, r, n); break;
+          }
+        } else if (rows == 1) {
+          TileQ4I8<F, 1>(a, p, acc, b, r, n);
+        } else {
+          TileQ4I8<F, 2>(a, p, acc, b, r, n);
+        }
+      }
+  }
+  if (nv < n1) BaseI8Scalar(a, p, acc, b0, b1, nv, n1);
+}
+
 void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
              int64_t n1) {
-  switch (a.fmt) {
-    case kQ8_0: Base<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
-    case kQ4_0: Base<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
-    default: Base<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+  if (p.xq) {
+    switch (a.fmt) {
+      case kQ8_0: BaseI8<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+      case kQ4_0: BaseI8<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+      default: BaseI8<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+    }
+  } else {
+    switch (a.fmt) {
+      case kQ8_0: Base<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+      case kQ4_0: Base<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+      default: Base<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+    }
   }
   if (!p.slots->empty()) Delta(a, p, acc, b0 * kBlock, b1 * kBlock, n0, n1);
 }
 #else
 void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
              int64_t n1) {
-  BaseScalar(a, p, acc, b0, b1, n0, n1);
+  if (p.xq) BaseI8Scalar(a, p, acc, b0, b1, n0, n1);
+  else BaseScalar(a, p, acc, b0, b1, n0, n1);
   if (!p.slots->empty()) DeltaScalar(a, p, acc, b0 * kBlock, b1 * kBlock, n0, n1);
 }
 #endif
 
 ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, int64_t M,
-               int64_t S) {
+               int64_t S, bool int8_act) {
   const int64_t K = a.K, N = a.N, nb = a.nb;
   if (M == 0 || N == 0) return ffi::Error::Success();
   for (int64_t r = 0; slots && r < M; ++r)
@@ -361,6 +582,18 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
       for (int j = 0; j < kBlock; ++j) s += x[r * K + b * kBlock + j];
       sx[r * nb + b] = s;
     }
+  std::vector<int8_t> xq;
+  std::vector<int16_t> x16;
+  std::vector<float> xd;
+  std::vector<int32_t> xqs;
+  if (int8_act) {
+    xq.resize(M * K);
+    if (a.fmt == kQ8_0) x16.resize(M * K);
+    xd.resize(M * nb);
+    xqs.resize(M * nb);
+    QuantizeActivations(x, M, K, xq.data(), x16.empty() ? nullptr : x16.data(), xd.data(),
+                        xqs.data());
+  }
   Pool& pool = Pool::get();
   thread_local std::vector<float> scratch;  // the partials of K tasks 1..
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
@@ -373,7 +606,11 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
       if (it == groups.end()) groups.push_back({s, {r}});
       else it->rows.push_back(r);
     }
-    const Pass p{x + r0 * K, sx.data() + r0 * nb, rows, &groups};
+    const Pass p{x + r0 * K, sx.data() + r0 * nb, rows, &groups,
+                 int8_act ? xq.data() + r0 * K : nullptr,
+                 x16.empty() ? nullptr : x16.data() + r0 * K,
+                 int8_act ? xd.data() + r0 * nb : nullptr,
+                 int8_act ? xqs.data() + r0 * nb : nullptr};
     float* yp = y + r0 * N;
     // tasks: column ranges of at least kMinCols (multiples of 64), then K ranges of whole
     // blocks and, with deltas, whole bit groups
@@ -409,7 +646,7 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16> d,
                 ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> scale,
                 ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y, int64_t format,
-                int64_t group_k, int64_t first_slot, int64_t delta) {
+                int64_t group_k, int64_t first_slot, int64_t delta, int64_t act) {
   auto xd = x.dimensions();
   auto qd = qs.dimensions();
   auto dd = d.dimensions();
@@ -446,7 +683,10 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
                reinterpret_cast<const uint16_t*>(d.untyped_data()),
                reinterpret_cast<const uint16_t*>(m.untyped_data()),
                bits.typed_data(), scale.typed_data(), KP, delta ? group_k : 8, first_slot};
-  return Run(a, x.typed_data(), delta ? slots.typed_data() : nullptr, y->typed_data(), M, S);
+  if (act < 0 || act > 1)
+    return ffi::Error::InvalidArgument("quant_rows: act must be 0 (f32) or 1 (int8)");
+  return Run(a, x.typed_data(), delta ? slots.typed_data() : nullptr, y->typed_data(), M, S,
+             act == 1);
 }
 
 }  // namespace
@@ -464,4 +704,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRows, Impl,
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("group_k")
                                   .Attr<int64_t>("first_slot")
-                                  .Attr<int64_t>("delta"));
+                                  .Attr<int64_t>("delta")
+                                  .Attr<int64_t>("act"));
