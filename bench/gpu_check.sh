@@ -8,8 +8,11 @@
 # they are installed offline into /tmp/site first; jax/flax/... always come from the image.
 # Every argument is passed on to bench/gpu_check.py. Environment: GPU_CHECK_TIMEOUT (seconds
 # for gpu_check.py, default 445 on GPU, 1800 dry), NO_WHEELS=1 (skip the wheel install).
-# Output: $OUT/{env.json,kernel_gpu.json,attention_gpu.json,serve_gpu.json,report.md,
-# server.log,summary.txt,log.txt}. Exit status: 0 only if every stage passed.
+# Then the quantized-base stage, bench/gpu_quant.py (its own budget: GPU_QUANT_TIMEOUT, default
+# 100 on GPU, 900 dry; QUANT=0 skips it): the Mosaic GPU kernels over ggml blocks, numerics and
+# speed vs the dequantized bf16 GEMM, into quant_gpu.json and one summary.txt line.
+# Output: $OUT/{env.json,kernel_gpu.json,attention_gpu.json,serve_gpu.json,quant_gpu.json,
+# report.md,server.log,summary.txt,log.txt}. Exit status: 0 only if every stage passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
@@ -77,6 +80,16 @@ rc=$?
 if [ $rc = 124 ] || [ $rc = 137 ]; then
   echo "!!! gpu_check.py was stopped by the ${LIMIT}s timeout: the summary below has the stages that finished"
   cat "$OUT/summary.txt" 2>/dev/null
+fi
+if [ "${QUANT:-1}" != 0 ]; then
+  QLIMIT=${GPU_QUANT_TIMEOUT:-$([ $DRY = 1 ] && echo 900 || echo 100)}
+  echo "== stage quant_gpu: bench/gpu_quant.py (${QLIMIT}s)"
+  timeout -k 10 "$QLIMIT" python3 bench/gpu_quant.py "$@"
+  qrc=$?
+  if [ $qrc != 0 ]; then
+    echo "!!! STAGE quant_gpu FAILED (exit $qrc$([ $qrc = 124 ] && echo ", the ${QLIMIT}s timeout"))"
+    [ $rc = 0 ] && rc=$qrc
+  fi
 fi
 echo "== gpu_check.sh done in $(( $(date +%s) - T0 ))s, exit $rc; files in $OUT:"
 ls -la "$OUT"

@@ -78,6 +78,17 @@ class QuantizedKernel:
     return 2
 
 
+def abstract(fmt: str, shape_KxN: tuple[int, int]) -> QuantizedKernel:
+  """A `QuantizedKernel` of ``jax.ShapeDtypeStruct`` fields (tracing and lowering without data)."""
+  _check_format(fmt)
+  k, n = (int(s) for s in shape_KxN)
+  sds = jax.ShapeDtypeStruct
+  qs = sds((k // BLOCK, _QS_ROWS[fmt], n), jnp.int8 if fmt == "q8_0" else jnp.uint8)
+  m = sds((k // BLOCK, n), jnp.float16) if fmt == "q4_1" else None
+  return QuantizedKernel(qs=qs, d=sds((k // BLOCK, n), jnp.float16), m=m, format=fmt,
+                         shape=(k, n))
+
+
 def _as_blocks(w_NxK: np.ndarray) -> np.ndarray:
   n, k = w_NxK.shape
   if k % BLOCK:
