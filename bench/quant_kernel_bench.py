@@ -1,20 +1,25 @@
-"""The quantized-base CPU kernel (`quant_matmul` cpu_rows) against f32 weights at decode sizes.
+"""The quantized-base CPU kernel (`quant_matmul` cpu_rows) at decode sizes: f32 against int8
+activations, and against f32 weights.
 
-    python bench/quant_kernel_bench.py [--rounds 30]   → bench/results/quant_kernel.{json,md}
+    python bench/quant_kernel_bench.py [--rounds 15]   → bench/results/quant_kernel.{json,md}
     python bench/quant_kernel_bench.py --quick         # smoke run: small sizes, 1 round, no files
+    python bench/quant_kernel_bench.py --rows 1 8 64 --bf16   # + a prefill chunk, bf16 W
 
-Rows 1 and 8 (decode) and 64 (a prefill chunk), shapes K=N=4096 and SmolLM2's MLP (K=576,
-N=1536 and K=1536, N=576). Candidates, jitted with every array an argument, interleaved round by round
-(`harness.interleaved`), medians:
+Rows 1 and 8 (decode), shapes SmolLM2's MLP (K=576, N=1536 and K=1536, N=576), K=2048, N=8192
+and K=N=4096. Candidates, jitted with every array an argument, interleaved round by round
+(`harness.interleaved`, one process: the ratios compare runs under the same load), medians:
 
-* ``q8_0`` / ``q4_0`` / ``q4_1``: ``quant_matmul(..., implementation="cpu_rows")``, no variant,
-  and ``+var``: one 1-bit variant (bits ``[KP, N]`` read in place).
+* ``q8_0`` / ``q4_0`` / ``q4_1``: ``cpu_rows.rows_call(..., activations="f32")``: x stays f32,
+  each block dequantized to f32 in registers; ``+var``: one 1-bit variant (bits read in place).
+* ``q8_0:int8`` / ...: ``activations="int8"``: x quantized per row and 32-block (ggml's Q8_0
+  rule, f32 scale), integer products summed in int32 per block; ``+var`` likewise (the delta
+  term keeps f32 x).
 * ``xla_f32``: ``x @ W`` on dense f32 W (XLA's GEMV / GEMM), no delta.
-* ``delta_bf16`` / ``delta_bf16+var``: `pallas_kernels.delta_matmul.delta_matmul` on bf16 W
-  (x f32), without and with the same variant: the unquantized base at half of f32's bytes.
+* with ``--bf16``: ``delta_bf16`` / ``delta_bf16+var``: `pallas_kernels.delta_matmul` on bf16 W.
 
 GB/s: the stored bytes each candidate must read (blocks, or f32 W; + the variant's bits) per
-second. Ratios are to ``xla_f32``. The machine is shared: the load average is recorded.
+second. Ratios: int8 to f32 activations (same format, same variant), and each to ``xla_f32``.
+The machine is shared with other workers: the load average is recorded per row.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import harness  # noqa: E402
 FORMATS = ("q8_0", "q4_0", "q4_1")
 
 
-def _candidates(m: int, k: int, n: int):
+def _candidates(m: int, k: int, n: int, bf16: bool):
   """{name: (fn, bytes read)}."""
   import jax
   import jax.numpy as jnp
@@ -41,7 +46,7 @@ def _candidates(m: int, k: int, n: int):
 
   from pallas_kernels.bits import group_k_for, packed_rows
   from pallas_kernels.delta_matmul import delta_matmul
-  from pallas_kernels.quant_matmul import blocks, quant_matmul
+  from pallas_kernels.quant_matmul import blocks, cpu_rows
 
   rng = np.random.default_rng(0)
   g = group_k_for(k)
@@ -50,29 +55,33 @@ def _candidates(m: int, k: int, n: int):
   bits = jnp.asarray(rng.integers(0, 256, (packed_rows(k, g), n)), jnp.uint8)
   scale = jnp.asarray(rng.uniform(0.001, 0.01, (n,)), jnp.float32)
   wj = jnp.asarray(w)
-  wb = wj.astype(jnp.bfloat16)
   out = {}
-  qmm = jax.jit(lambda x, q: quant_matmul(x, q, group_k=g, implementation="cpu_rows"))
-  qmv = jax.jit(lambda x, q, b, s: quant_matmul(x, q, b, s, group_k=g,
-                                                implementation="cpu_rows"))
-  for fmt in FORMATS:
-    qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
-    out[fmt] = (lambda qk=qk: qmm(x, qk), qk.nbytes)
-    out[f"{fmt}+var"] = (lambda qk=qk: qmv(x, qk, bits, scale), qk.nbytes + bits.nbytes)
+  for act, tag in (("f32", ""), ("int8", ":int8")):
+    qmm = jax.jit(lambda x, q, act=act: cpu_rows.rows_call(x, q, group_k=g, activations=act))
+    qmv = jax.jit(lambda x, q, b, s, act=act: cpu_rows.rows_call(x, q, b, s, group_k=g,
+                                                                 activations=act))
+    for fmt in FORMATS:
+      qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
+      out[fmt + tag] = (lambda qk=qk, f=qmm: f(x, qk), qk.nbytes)
+      out[f"{fmt}{tag}+var"] = (lambda qk=qk, f=qmv: f(x, qk, bits, scale),
+                                qk.nbytes + bits.nbytes)
   gemv = jax.jit(lambda x, w: x @ w)
-  plain = jax.jit(lambda x, w: delta_matmul(x, w, group_k=g))
-  delta = jax.jit(lambda x, w, b, s: delta_matmul(x, w, b, s, group_k=g))
   out["xla_f32"] = (lambda: gemv(x, wj), wj.nbytes)
-  out["delta_bf16"] = (lambda: plain(x, wb), wb.nbytes)
-  out["delta_bf16+var"] = (lambda: delta(x, wb, bits, scale), wb.nbytes + bits.nbytes)
+  if bf16:
+    wb = wj.astype(jnp.bfloat16)
+    plain = jax.jit(lambda x, w: delta_matmul(x, w, group_k=g))
+    delta = jax.jit(lambda x, w, b, s: delta_matmul(x, w, b, s, group_k=g))
+    out["delta_bf16"] = (lambda: plain(x, wb), wb.nbytes)
+    out["delta_bf16+var"] = (lambda: delta(x, wb, bits, scale), wb.nbytes + bits.nbytes)
   return out
 
 
-def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int) -> list[dict]:
+def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
+        bf16: bool = False) -> list[dict]:
   res = []
   for k, n in shapes:
     for m in rows:
-      cands = _candidates(m, k, n)
+      cands = _candidates(m, k, n, bf16)
       t = harness.interleaved({c: f for c, (f, _) in cands.items()}, rounds, min_rounds=rounds)
       med = t.medians()
       row = {"rows": m, "k": k, "n": n, "rounds": rounds, "load": os.getloadavg()[0]}
@@ -80,30 +89,137 @@ def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int)
         row[f"{c}_us"] = 1e6 * med[c]
         row[f"{c}_gbps"] = nbytes / med[c] / 1e9
         row[f"{c}_vs_xla"] = med[c] / med["xla_f32"]
+        if ":int8" in c:
+          row[f"{c}_vs_f32act"] = med[c] / med[c.replace(":int8", "")]
       res.append(row)
       print(f"M={m} K={k} N={n}:", {c: f"{row[c + '_us']:.0f}us {row[c + '_gbps']:.1f}GB/s"
                                      for c in cands}, flush=True)
+      print("  int8 / f32 activations:", {c: f"{row[c + '_vs_f32act']:.2f}" for c in cands
+                                          if ":int8" in c}, flush=True)
   return res
+
+
+PROMPTS = (
+  "The capital of France is",
+  "def fibonacci(n):\n    if n < 2:\n        return n\n",
+  "<|im_start|>user\nWhat is 17 times 23?<|im_end|>\n<|im_start|>assistant\n",
+  "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+  "Photosynthesis converts light energy into",
+)
+
+
+def logit_error() -> dict:
+  """The real SmolLM2 Q4_1 GGUF, every prompt's teacher-forced logits with f32 and with int8
+  activations (each row's numbers do not depend on how many rows a call has, so these are the
+  decode logits too): max |Δlogit|, its scale, next-token argmax agreement."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from tokenizers import Tokenizer
+
+  from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+  from bitdelta_jax.models import from_pretrained
+  from bitdelta_jax.zoo.real_base import real_gguf
+
+  path = real_gguf()
+  tok = Tokenizer.from_file(str(resolve_base(path) / "tokenizer.json"))
+  model = from_pretrained(path)
+  per = []
+  for prompt in PROMPTS:
+    ids = jnp.asarray([tok.encode(prompt).ids], jnp.int32)
+    out = {}
+    for act in ("f32", "int8"):
+      os.environ["BITDELTA_QUANT_ACTIVATIONS"] = act  # read when the program is traced
+      fwd = nnx.jit(lambda m, ids: m(ids))
+      out[act] = np.asarray(fwd(model, ids)[0], np.float64)  # [T, V]
+    os.environ.pop("BITDELTA_QUANT_ACTIVATIONS")
+    d = np.abs(out["int8"] - out["f32"])
+    agree = out["int8"].argmax(-1) == out["f32"].argmax(-1)
+    lp = {a: v - np.log(np.exp(v - v.max(-1, keepdims=True)).sum(-1, keepdims=True))
+             - v.max(-1, keepdims=True) for a, v in out.items()}
+    kl = np.sum(np.exp(lp["f32"]) * (lp["f32"] - lp["int8"]), -1)
+    per.append({"prompt": prompt, "tokens": int(ids.shape[1]), "max_abs_dlogit": float(d.max()),
+                "mean_abs_dlogit": float(d.mean()), "logit_scale": float(np.abs(out["f32"]).max()),
+                "argmax_agree": int(agree.sum()), "kl_max": float(kl.max()),
+                "kl_mean": float(kl.mean())})
+    print(per[-1], flush=True)
+  tokens = sum(p["tokens"] for p in per)
+  summary = {"model": path.name, "positions": tokens,
+             "max_abs_dlogit": max(p["max_abs_dlogit"] for p in per),
+             "argmax_agree": sum(p["argmax_agree"] for p in per),
+             "kl_max": max(p["kl_max"] for p in per),
+             "kl_mean": sum(p["kl_mean"] * p["tokens"] for p in per) / tokens,
+             "jax": jax.__version__}
+  lines = [
+    "# int8 vs f32 activations on the real SmolLM2-135M Q4_1 GGUF",
+    "",
+    f"`python bench/quant_kernel_bench.py --logits`: {path.name} loaded with its blocks "
+    "(`models.from_pretrained`), every linear layer and the tied head through the cpu_rows "
+    "kernel; each prompt's teacher-forced logits at every position with "
+    "`BITDELTA_QUANT_ACTIVATIONS=f32` and `=int8`. KL(f32 ‖ int8) of the next-token "
+    "distributions, nats.",
+    "",
+    f"Over all {tokens} positions: max |Δlogit| {summary['max_abs_dlogit']:.3g}, argmax agrees "
+    f"at {summary['argmax_agree']}/{tokens}, KL mean {summary['kl_mean']:.2e}, max "
+    f"{summary['kl_max']:.2e}.",
+    "",
+    "| prompt | tokens | max abs dlogit | mean abs dlogit | max abs logit | argmax agree | KL mean | KL max |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for p in per:
+    lines.append(f"| {p['prompt'][:40]!r} | {p['tokens']} | {p['max_abs_dlogit']:.3g} | "
+                 f"{p['mean_abs_dlogit']:.3g} | {p['logit_scale']:.3g} | "
+                 f"{p['argmax_agree']}/{p['tokens']} | {p['kl_mean']:.2e} | {p['kl_max']:.2e} |")
+  md = harness.write_results("quant_kernel_logits", {"summary": summary, "prompts": per}, lines)
+  print(md.read_text())
+  return summary
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--rounds", type=int, default=30)
+  ap.add_argument("--rounds", type=int, default=15)
+  ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+  ap.add_argument("--bf16", action="store_true", help="also delta_matmul on bf16 W")
   ap.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 round, no files")
+  ap.add_argument("--logits", action="store_true",
+                  help="only the real SmolLM2 Q4_1 model's logit error, int8 vs f32 activations")
   args = ap.parse_args()
-  if args.quick:
-    run((1, 8, 20), ((256, 200),), 1)
+  if args.logits:
+    logit_error()
     return
-  rows = run((1, 8, 64), ((4096, 4096), (576, 1536), (1536, 576)), args.rounds)
+  if args.quick:
+    run((1, 8, 20), ((256, 200),), 1, args.bf16)
+    return
+  shapes = ((576, 1536), (1536, 576), (2048, 8192), (4096, 4096))
+  rows = run(tuple(args.rows), shapes, args.rounds, args.bf16)
   names = [c[:-3] for c in rows[0] if c.endswith("_us")]
+  pairs = [c for c in names if ":int8" in c]
   lines = [
-    "# Quantized-base CPU kernel (quant_matmul cpu_rows) vs f32 weights",
+    "# Quantized-base CPU kernel (quant_matmul cpu_rows): f32 vs int8 activations",
     "",
-    f"Medians of {args.rounds} interleaved rounds (bench/quant_kernel_bench.py); per cell: time, "
-    "GB/s of the stored bytes read (blocks or f32 W, + the variant's bits), ratio to XLA's "
-    "f32 `x @ W`. `+var`: one 1-bit variant. x and y f32.",
+    f"Medians of {args.rounds} interleaved rounds (bench/quant_kernel_bench.py), all candidates "
+    "in one process, round by round; the machine (2 cores) was shared with other workers' "
+    "tests, so single times are noisy: compare the ratios (taken within each round's "
+    "medians) and the load column.",
     "",
     harness.machine_line({}),
+    "",
+    "## int8 / f32 activations (time ratio; < 1: int8 faster)",
+    "",
+    "| M | K x N | " + " | ".join(c.replace(":int8", "") for c in pairs) + " | load |",
+    "|---|---|" + "---|" * (len(pairs) + 1),
+  ]
+  for r in rows:
+    lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | "
+                 + " | ".join(f"{r[c + '_vs_f32act']:.2f}" for c in pairs)
+                 + f" | {r['load']:.1f} |")
+  lines += [
+    "",
+    "## Times",
+    "",
+    "Per cell: time, GB/s of the stored bytes read (blocks or f32 W, + the variant's bits), "
+    "ratio to XLA's f32 `x @ W`. `+var`: one 1-bit variant; `:int8`: int8 activations.",
     "",
     "| M | K x N | " + " | ".join(names) + " | load |",
     "|---|---|" + "---|" * (len(names) + 1),

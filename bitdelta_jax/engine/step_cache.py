@@ -79,8 +79,11 @@ def step_key(parts) -> str:
   import jaxlib
 
   devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+  # BITDELTA_* switches are read when a step is traced (kernel choices, the quantized kernel's
+  # activation mode): a program traced under other values is another program
+  switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("BITDELTA_"))
   full = (code_fingerprint(), jax.__version__, jaxlib.__version__, jax.default_backend(),
-          devices, os.environ.get("XLA_FLAGS", ""), _machine(), parts)
+          devices, os.environ.get("XLA_FLAGS", ""), switches, _machine(), parts)
   return hashlib.sha256(repr(full).encode()).hexdigest()
 
 

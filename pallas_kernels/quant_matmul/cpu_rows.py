@@ -13,8 +13,15 @@ at 64 rows, K = N = 4096, the plain product runs as fast as the reference's dequ
 GEMM and a 4-slot bank ~5x faster (the reference computes every slot for every row), so the
 kernel keeps prefill chunks too (bench/results/quant_kernel.md).
 
-Numerics: x stays f32 (no ggml-style int8 activations); f32 products and sums in another order
-than `reference.quant_matmul_reference` (agrees to f32 rounding); y f32. Backend: host CPU,
+Numerics: two activation modes (`activations_for`; ``$BITDELTA_QUANT_ACTIVATIONS``). ``f32``:
+x stays f32, f32 products and sums in another order than `reference.quant_matmul_reference`
+(agrees to f32 rounding). ``int8`` (the default for q4_0 / q4_1, as llama.cpp's CPU path): the
+base product's x quantized per row and 32-block as ggml's Q8_0 with an f32 scale (d = max|x|/127,
+round to nearest even), integer products summed exactly in int32 per block, then
+(d_w·d_x)·Σ (+ m_w·d_x·Σq_x for Q4_1, ggml's Q8_1 sum) in f32: x's rounding costs ~0.5% of y's
+L2 on Gaussian x (tests/kernels/test_quant_matmul_int8.py); on the real SmolLM2 Q4_1 model
+max |Δlogit| 1.3 (logits up to ~40), next-token argmax equal at 64 of 66 positions, KL 4e-3
+nats on average (bench/results/quant_kernel_logits.md). The delta term keeps f32 x. y f32. Backend: host CPU,
 built on first use like `delta_matmul.cpu_rows` (``g++ -O3 -march=native``, the shared pool,
 ``$BITDELTA_CPU_THREADS``); ``BITDELTA_QUANT_ROWS=0`` turns it off (read when a program is traced).
 """
@@ -37,7 +44,11 @@ from .reference import with_reference_vjp
 
 MAX_ROWS = 512
 ACTIVATIONS = ("f32", "int8")
-DEFAULT_ACTIVATIONS = "f32"
+# by format, from bench/results/quant_kernel.md (2 shared AVX2 cores): int8 x takes q4_0 / q4_1
+# to ~0.5-0.8x the f32-activation time at 1 and 8 rows; q8_0 gains nothing from it on AVX2
+# (vpmaddwd + vpaddd are 16 multiply-adds in two instructions, as two FMAs) and loses at 8
+# rows, so it keeps f32 x
+DEFAULT_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
@@ -97,12 +108,17 @@ def shapes_supported(rows: int, qk: QuantizedKernel) -> str | None:
   return None
 
 
-def activations_for(rows: int, activations: str | None = None) -> str:
-  """The activation mode a call of ``rows`` rows runs with: ``activations`` if given, else
-  ``$BITDELTA_QUANT_ACTIVATIONS`` (read when a program is traced), else the default."""
-  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or DEFAULT_ACTIVATIONS
+def activations_for(fmt: str, activations: str | None = None) -> str:
+  """The activations a product over ``fmt`` blocks runs with: ``activations`` if given, else
+  ``$BITDELTA_QUANT_ACTIVATIONS`` (``f32`` | ``int8`` | ``auto``; read when a program is
+  traced), else (``auto``) `DEFAULT_ACTIVATIONS` of the format. Every row count of a call takes
+  the same mode, so a token's numbers do not depend on whether it came in a prompt chunk or a
+  decode step."""
+  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or "auto"
+  if mode == "auto":
+    mode = DEFAULT_ACTIVATIONS[fmt]
   if mode not in ACTIVATIONS:
-    raise ValueError(f"quantized activations {mode!r}: choose from {ACTIVATIONS}")
+    raise ValueError(f"quantized activations {mode!r}: choose from {ACTIVATIONS} or 'auto'")
   return mode
 
 
@@ -113,14 +129,16 @@ def rows_call(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = None,
   """f32 ``[M, N]``: ``x · dequant(qk)`` plus, for each row m with ``slot_ids[m] > 0``,
   ``α_s ⊙ (x[m] · S_s)``. One variant for every row: bits ``[KP, N]``, scale ``[1|N]``,
   slot_ids None (read in place). A bank: bits ``[S, KP, N]``, scale ``[S, 1|N]``, slot_ids
-  ``[M]`` (0: the base). bits None: the plain product (no zero bank is built). Differentiable
-  in x and scale (the reference's backward pass); the blocks are constants."""
+  ``[M]`` (0: the base). bits None: the plain product (no zero bank is built). ``activations``
+  (`activations_for`): ``"f32"`` keeps x; ``"int8"`` quantizes the base product's x per row
+  and 32-block as ggml's Q8_0 (the delta term keeps f32 x). Differentiable in x and scale
+  (the reference's backward pass, f32 x); the blocks are constants."""
   if target == _TARGET and (reason := _load()):
     raise NotImplementedError(reason)
   if reason := shapes_supported(x.shape[0], qk):
     raise NotImplementedError(reason)
   group_k = group_k_for(qk.shape[0], group_k)  # the group the bits were packed with
-  act = activations_for(x.shape[0], activations)
+  act = activations_for(qk.format, activations)
   kernel = functools.partial(_kernel, group_k=group_k, target=target, act=act)
   return with_reference_vjp(kernel, group_k)(x, scale, qk, bits, slot_ids)
 

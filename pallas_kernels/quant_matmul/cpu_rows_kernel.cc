@@ -4,7 +4,8 @@
 // weight j in the low nibble and j + 16 in the high one), d (and m for q4_1) f16 [K/32, N].
 // Bank row s - first_slot holds slot s (first_slot 1: one variant's bits read in place); S_s in
 // the group-local bit-plane layout (`pallas_kernels/bits.py`); α_s one f32 per column.
-// x and y f32 (activations are not quantized: no ggml-style q8 activations).
+// x and y f32. act 1 (int8 activations): the base product's x quantized per row and 32-block
+// as ggml's Q8_0 with an f32 scale (`QuantizeActivations`), integer block sums (`BlockI8`).
 //
 // Why: a decode step reads every weight once for a handful of rows; the blocks are 0.56-1.06
 // bytes a weight against 4 for f32, so turning them into numbers costs as much as reading them.
@@ -21,9 +22,17 @@
 // passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
 // (8 per weight per pass), not the re-reads (bench/results/quant_kernel.md).
 //
+// int8 activations (act 1), as llama.cpp's CPU dot products but vectorised over columns (N is
+// contiguous here): per block, q8_0 pairs of K rows widened to int16 and vpmaddwd'd against a
+// broadcast pair of x's int8s; q4 nibbles interleaved per column pair of K rows and
+// vpmaddubsw'd (int16 sums per half block, no saturation), int32 per block; then one f32
+// step per block and column. No VNNI on the AVX2 machines this was written for.
+//
 // Numerics: per block Σ x·q in f32 (q exact small integers), times d (f16 widened exactly),
 // + m·Σx for q4_1 (so q4_1's rounding scales with |d·q| + |m|, not |d·q + m|); the delta as
 // the f32 kernel's lookups, α·(2·x·B − Σx) (a non-finite α reaches only its slot's rows).
+// int8 activations: Σ q_x·q_w exact in int32, y += (d_w·d_x)·Σ (+ m_w·(d_x·Σq_x)) in f32; the
+// delta term keeps f32 x.
 // f32 sums in another order than `reference.quant_matmul_reference`: agrees to f32 rounding.
 // Backend: AVX2 + FMA + F16C intrinsics (-march=native; AVX-512 CPUs run the same 256-bit
 // code); without them plain scalar loops (the portable build: correctness, not speed).
@@ -414,43 +423,57 @@ inline void StoreI8(const Args& a, const Pass& p, float* y, __m256i v, int64_t b
   _mm256_storeu_ps(y, out);
 }
 
-// q8_0, int8 activations: 16 columns from n, R rows from row0. Per pair of K rows the two
+// q8_0, int8 activations: 16·C columns from n, R rows from row0. Per pair of K rows the two
 // weight rows are widened to int16 and interleaved per column (vpunpck{l,h}wd), and one
 // vpmaddwd against the broadcast pair (q_x[2t], q_x[2t+1]) adds both products into the column's
-// int32 sum: 16 multiply-adds an instruction. |sum| <= 32·128·127.
-template <int R>
+// int32 sum: 16 multiply-adds an instruction. |sum| <= 32·128·127. One row takes 64 columns:
+// a whole cache line of each of the block's 32 rows at once (N a multiple of 4096 maps all 32
+// lines to one L1 set: a line read in 16-byte pieces is fetched from L2 each time).
+template <int R, int C>
 inline void TileQ8I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0,
                      int64_t n) {
   const int64_t N = a.N, K = a.K;
-  __m256i s[R][2];
+  __m256i s[R][C][2];
 #pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) s[i][0] = s[i][1] = _mm256_setzero_si256();
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) s[i][c][0] = s[i][c][1] = _mm256_setzero_si256();
   const uint8_t* q = a.qs + b * 32 * N + n;
   const int16_t* xb = p.x16 + row0 * K + b * kBlock;
-#pragma GCC unroll 4
+#pragma GCC unroll 2
   for (int t = 0; t < 16; ++t) {
-    const __m256i w0 = _mm256_cvtepi8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * t * N)));
-    const __m256i w1 = _mm256_cvtepi8_epi16(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * t + 1) * N)));
-    const __m256i lo = _mm256_unpacklo_epi16(w0, w1);  // columns [0-3 | 8-11]
-    const __m256i hi = _mm256_unpackhi_epi16(w0, w1);  // columns [4-7 | 12-15]
+    __m256i lo[C], hi[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      const __m256i w0 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * t * N + 16 * c)));
+      const __m256i w1 = _mm256_cvtepi8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (2 * t + 1) * N + 16 * c)));
+      lo[c] = _mm256_unpacklo_epi16(w0, w1);  // columns [0-3 | 8-11]
+      hi[c] = _mm256_unpackhi_epi16(w0, w1);  // columns [4-7 | 12-15]
+    }
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       int32_t pair;
       std::memcpy(&pair, xb + i * K + 2 * t, 4);
       const __m256i xv = _mm256_set1_epi32(pair);
-      s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(lo, xv));
-      s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(hi, xv));
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        s[i][c][0] = _mm256_add_epi32(s[i][c][0], _mm256_madd_epi16(lo[c], xv));
+        s[i][c][1] = _mm256_add_epi32(s[i][c][1], _mm256_madd_epi16(hi[c], xv));
+      }
     }
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) {
-    float* y = acc + (row0 + i) * N + n;
-    StoreI8<kQ8_0>(a, p, y, _mm256_permute2x128_si256(s[i][0], s[i][1], 0x20), b, row0 + i, n);
-    StoreI8<kQ8_0>(a, p, y + 8, _mm256_permute2x128_si256(s[i][0], s[i][1], 0x31), b, row0 + i,
-                   n + 8);
-  }
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) {
+      float* y = acc + (row0 + i) * N + n + 16 * c;
+      StoreI8<kQ8_0>(a, p, y, _mm256_permute2x128_si256(s[i][c][0], s[i][c][1], 0x20), b,
+                     row0 + i, n + 16 * c);
+      StoreI8<kQ8_0>(a, p, y + 8, _mm256_permute2x128_si256(s[i][c][0], s[i][c][1], 0x31), b,
+                     row0 + i, n + 16 * c + 8);
+    }
 }
 
 // q4_0 / q4_1, int8 activations: 32 columns from n, R rows from row0. Per pair of byte rows
@@ -509,37 +532,51 @@ inline void TileQ4I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_
   }
 }
 
+// columns n..n + 16·C of block b, every row (q8_0): one row 64 columns, more in tiles of 4 rows
+// x 16 columns (measured faster at 8 rows than 2 x 32)
+template <int C>
+inline void RowsQ8I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_t n) {
+  if constexpr (C == 4) {
+    TileQ8I8<1, 4>(a, p, acc, b, 0, n);
+  } else {
+    for (int64_t r = 0; r < p.M; r += 4) {
+      switch (std::min<int64_t>(4, p.M - r)) {
+        case 1: TileQ8I8<1, 1>(a, p, acc, b, r, n); break;
+        case 2: TileQ8I8<2, 1>(a, p, acc, b, r, n); break;
+        case 3: TileQ8I8<3, 1>(a, p, acc, b, r, n); break;
+        default: TileQ8I8<4, 1>(a, p, acc, b, r, n); break;
+      }
+    }
+  }
+}
+
 // int8 activations over blocks b0:b1, columns n0:n1: per block, per tile of columns, the rows
-// in tiles of 4 (q8_0) or 2 (q4), the tile's bytes read from L1 again for each row tile
+// in tiles (q4: 2 rows x 32 columns), the tile's bytes read again (from L1 / L2) for each
 template <Format F>
 void BaseI8(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
             int64_t n1) {
-  constexpr int64_t kCols = F == kQ8_0 ? 16 : 32;
-  constexpr int kRows = F == kQ8_0 ? 4 : 2;
-  const int64_t nv = n0 + (n1 - n0) / kCols * kCols;
+  const int64_t cols = F == kQ8_0 && p.M == 1 ? 64 : 32;
+  const int64_t nv = n0 + (n1 - n0) / cols * cols;
+  const int64_t n32 = n0 + (n1 - n0) / 32 * 32;
   for (int64_t b = b0; b < b1; ++b) {
     if (b + 1 < b1)
       for (int64_t j = 0; j < a.qrows; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
                      _MM_HINT_T0);
-    for (int64_t n = n0; n < nv; n += kCols)
-      for (int64_t r = 0; r < p.M; r += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, p.M - r);
-        if constexpr (F == kQ8_0) {
-          switch (rows) {
-            case 1: TileQ8I8<1>(a, p, acc, b, r, n); break;
-            case 2: TileQ8I8<2>(a, p, acc, b, r, n); break;
-            case 3: TileQ8I8<3>(a, p, acc, b, r, n); break;
-            default: TileQ8I8<4>(a, p, acc, b, r, n); break;
-          }
-        } else if (rows == 1) {
-          TileQ4I8<F, 1>(a, p, acc, b, r, n);
-        } else {
-          TileQ4I8<F, 2>(a, p, acc, b, r, n);
-        }
+    int64_t n = n0;
+    if constexpr (F == kQ8_0) {
+      if (cols == 64)
+        for (; n < nv; n += 64) RowsQ8I8<4>(a, p, acc, b, n);
+      for (; n < n32; n += 16) RowsQ8I8<1>(a, p, acc, b, n);
+    } else {
+      for (; n < n32; n += 32) {
+        int64_t r = 0;
+        for (; r + 2 <= p.M; r += 2) TileQ4I8<F, 2>(a, p, acc, b, r, n);
+        if (r < p.M) TileQ4I8<F, 1>(a, p, acc, b, r, n);
       }
+    }
   }
-  if (nv < n1) BaseI8Scalar(a, p, acc, b0, b1, nv, n1);
+  if (n32 < n1) BaseI8Scalar(a, p, acc, b0, b1, n32, n1);
 }
 
 void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,

@@ -28,6 +28,13 @@ needs_kernel = pytest.mark.skipif(cpu_rows.unavailable_reason() is not None,
                                   reason=f"kernel: {cpu_rows.unavailable_reason()}")
 
 
+@pytest.fixture(autouse=True)
+def _f32_activations(monkeypatch):
+  """This module checks the f32-activation path (q4's default is int8 x:
+  tests/kernels/test_quant_matmul_int8.py)."""
+  monkeypatch.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
+
+
 def _adversarial_rows() -> np.ndarray:
   """[N, K] rows whose blocks hit every corner of the quantizers' rules."""
   r = np.random.default_rng(7)

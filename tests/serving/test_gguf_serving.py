@@ -17,6 +17,15 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TOKENS = 16
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _f32_activations():
+  """Greedy-text parity with transformers holds for f32 activations; q4's default int8
+  activations move logits (bench/results/quant_kernel_logits.md)."""
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
+    yield
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
   from bitdelta_jax.zoo import SHIPPED_REAL, shipped_real_family
