@@ -44,10 +44,11 @@ from .reference import with_reference_vjp
 
 MAX_ROWS = 512
 ACTIVATIONS = ("f32", "int8")
-# by format, from bench/results/quant_kernel.md (2 shared AVX2 cores): int8 x takes q4_0 / q4_1
-# to ~0.5-0.8x the f32-activation time at 1 and 8 rows; q8_0 gains nothing from it on AVX2
-# (vpmaddwd + vpaddd are 16 multiply-adds in two instructions, as two FMAs) and loses at 8
-# rows, so it keeps f32 x
+# by format, from bench/results/quant_kernel.md (2 AVX2 cores shared with other work; rows 1
+# and 8, four shapes): int8 x takes q4_0 to a median 0.61x (0.36-0.72) of the f32-activation
+# time and q4_1 to 0.82x (0.55-0.85); q8_0's vpmaddwd + vpaddd do 16 multiply-adds in two
+# instructions, as two FMAs: a median 0.83x but 0.60-1.35 (slower at 8 rows on the large
+# shapes), so q8_0 keeps f32 x
 DEFAULT_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
