@@ -7,11 +7,11 @@
 # When .whl/ holds wheels (bench/gpu_wheels.sh) and python3 is 3.12 (what they are built for),
 # they are installed offline into /tmp/site first; jax/flax/... always come from the image.
 # Every argument is passed on to bench/gpu_check.py. Environment: GPU_CHECK_TIMEOUT (seconds
-# for gpu_check.py, default 445 on GPU, 1800 dry), NO_WHEELS=1 (skip the wheel install).
+# for gpu_check.py, default 405 on GPU, 1800 dry), NO_WHEELS=1 (skip the wheel install).
 # Then the quantized-base stage, bench/gpu_quant.py (its own budget: GPU_QUANT_TIMEOUT, default
-# 100 on GPU, 900 dry; QUANT=0 skips it): the Mosaic GPU kernels over ggml blocks, numerics and
-# speed vs the dequantized bf16 GEMM, into quant_gpu.json and one summary.txt line.
-# Output: $OUT/{env.json,kernel_gpu.json,attention_gpu.json,serve_gpu.json,quant_gpu.json,
+# 90 on GPU, 900 dry; QUANT=0 skips it): the Mosaic GPU kernels over ggml blocks, numerics and
+# speed vs the dequantized bf16 GEMM, into kernel_gpu.json ("quant") and one summary.txt line.
+# Output (8 files): $OUT/{env.json,kernel_gpu.json,attention_gpu.json,serve_gpu.json,
 # report.md,server.log,summary.txt,log.txt}. Exit status: 0 only if every stage passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +74,7 @@ print("python", sys.version.split()[0], "| import failures:", bad or "none")
 sys.exit(1 if bad else 0)
 PY
 
-LIMIT=${GPU_CHECK_TIMEOUT:-$([ $DRY = 1 ] && echo 1800 || echo 445)}
+LIMIT=${GPU_CHECK_TIMEOUT:-$([ $DRY = 1 ] && echo 1800 || echo 405)}
 timeout -k 15 "$LIMIT" python3 bench/gpu_check.py "$@"
 rc=$?
 if [ $rc = 124 ] || [ $rc = 137 ]; then
@@ -82,7 +82,7 @@ if [ $rc = 124 ] || [ $rc = 137 ]; then
   cat "$OUT/summary.txt" 2>/dev/null
 fi
 if [ "${QUANT:-1}" != 0 ]; then
-  QLIMIT=${GPU_QUANT_TIMEOUT:-$([ $DRY = 1 ] && echo 900 || echo 100)}
+  QLIMIT=${GPU_QUANT_TIMEOUT:-$([ $DRY = 1 ] && echo 900 || echo 90)}
   echo "== stage quant_gpu: bench/gpu_quant.py (${QLIMIT}s)"
   timeout -k 10 "$QLIMIT" python3 bench/gpu_quant.py "$@"
   qrc=$?

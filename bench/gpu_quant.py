@@ -2,7 +2,8 @@
 (`pallas_kernels.quant_matmul.mosaic_gpu`) on the GPU, numerics and speed.
 
 Run by ``bench/gpu_check.sh`` after ``gpu_check.py`` (self-contained: its own budget, one JSON
-file ``quant_gpu.json``, one line appended to ``summary.txt``):
+entry ``"quant"`` in ``kernel_gpu.json``, one line appended to ``summary.txt``; the output
+folder keeps to the 8 files the device tool brings back):
 
 1. **lowering** (``--dry-run`` only): every kernel (Q8_0 / Q4_0 / Q4_1; plain, one variant, a
    bank) lowered for CUDA at the bench's shapes with the real Mosaic GPU lowering.
@@ -229,7 +230,13 @@ def main(argv=None) -> int:
       res["error"] = traceback.format_exc()[-3000:]
       ok = False
   res.update(ok=ok, seconds=round(time.time() - t0, 1))
-  (args.out / "quant_gpu.json").write_text(json.dumps(res, indent=1))
+  # into kernel_gpu.json (key "quant"): the device tool brings back at most 8 files
+  path = args.out / "kernel_gpu.json"
+  try:
+    kernel = json.loads(path.read_text()) if path.exists() else {}
+  except ValueError:
+    kernel = {"unreadable_before_quant": True}
+  path.write_text(json.dumps({**kernel, "quant": res}, indent=1, default=str))
   line = summary_line(res)
   log(line)
   with open(args.out / "summary.txt", "a") as f:
