@@ -7,11 +7,13 @@ bytes and the work of turning them into numbers; Q8_0 / Q4_0 / Q4_1 blocks are 1
 of up to 16 rows, widens its values to f32 per 8 columns in registers (AVX2), sums up to 8 rows'
 products over the block in registers and scales them by d at the block's end (+ m·Σx for
 Q4_1); a slot present in the batch adds ``α ⊙ (x·S)`` in one pass over its bit plane (table
-lookups of the x sums per packed byte). Threads split the columns, then K. More than 16 rows
+lookups of the x sums per packed byte). With int8 activations (q4's default) the f32 widening
+and FMAs give way to integer products (vpmaddubsw / vpmaddwd on weights interleaved per column
+over pairs of K rows, int32 per block). Threads split the columns, then K. More than 16 rows
 (prefill chunks, up to `MAX_ROWS`): passes of 16 rows over the blocks; measured on 2 busy cores
 at 64 rows, K = N = 4096, the plain product runs as fast as the reference's dequantize + XLA
 GEMM and a 4-slot bank ~5x faster (the reference computes every slot for every row), so the
-kernel keeps prefill chunks too (bench/results/quant_kernel.md).
+kernel keeps prefill chunks too (an earlier run of bench/quant_kernel_bench.py --bf16).
 
 Numerics: two activation modes (`activations_for`; ``$BITDELTA_QUANT_ACTIVATIONS``). ``f32``:
 x stays f32, f32 products and sums in another order than `reference.quant_matmul_reference`
@@ -21,9 +23,11 @@ round to nearest even), integer products summed exactly in int32 per block, then
 (d_w·d_x)·Σ (+ m_w·d_x·Σq_x for Q4_1, ggml's Q8_1 sum) in f32: x's rounding costs ~0.5% of y's
 L2 on Gaussian x (tests/kernels/test_quant_matmul_int8.py); on the real SmolLM2 Q4_1 model
 max |Δlogit| 1.3 (logits up to ~40), next-token argmax equal at 64 of 66 positions, KL 4e-3
-nats on average (bench/results/quant_kernel_logits.md). The delta term keeps f32 x. y f32. Backend: host CPU,
-built on first use like `delta_matmul.cpu_rows` (``g++ -O3 -march=native``, the shared pool,
-``$BITDELTA_CPU_THREADS``); ``BITDELTA_QUANT_ROWS=0`` turns it off (read when a program is traced).
+nats on average (bench/results/quant_kernel_logits.md). The delta term keeps f32 x. y f32.
+
+Backend: host CPU, built on first use like `delta_matmul.cpu_rows` (``g++ -O3 -march=native``,
+the shared pool, ``$BITDELTA_CPU_THREADS``); ``BITDELTA_QUANT_ROWS=0`` turns it off (read when
+a program is traced).
 """
 
 from __future__ import annotations
