@@ -144,13 +144,29 @@ def logit_error() -> dict:
                 "argmax_agree": int(agree.sum()), "kl_max": float(kl.max()),
                 "kl_mean": float(kl.mean())})
     print(per[-1], flush=True)
+  # one step's linear layers and head at 1 and 8 rows: the model on [rows, 1] token ids (no KV
+  # cache: attention over one position), both modes interleaved round by round
+  step = {}
+  for rows in (1, 8):
+    ids = jnp.asarray(np.arange(rows)[:, None] * 97 + 13, jnp.int32)
+    fns = {}
+    for act in ("f32", "int8"):
+      os.environ["BITDELTA_QUANT_ACTIVATIONS"] = act
+      f = nnx.jit(lambda m, ids: m(ids))
+      f(model, ids).block_until_ready()  # traced now, under this mode
+      fns[act] = lambda f=f, ids=ids: f(model, ids)
+    os.environ.pop("BITDELTA_QUANT_ACTIVATIONS")
+    med = harness.interleaved(fns, 30, min_rounds=30).medians()
+    step[rows] = {"f32_ms": 1e3 * med["f32"], "int8_ms": 1e3 * med["int8"],
+                  "ratio": med["int8"] / med["f32"], "load": os.getloadavg()[0]}
+    print(rows, step[rows], flush=True)
   tokens = sum(p["tokens"] for p in per)
   summary = {"model": path.name, "positions": tokens,
              "max_abs_dlogit": max(p["max_abs_dlogit"] for p in per),
              "argmax_agree": sum(p["argmax_agree"] for p in per),
              "kl_max": max(p["kl_max"] for p in per),
              "kl_mean": sum(p["kl_mean"] * p["tokens"] for p in per) / tokens,
-             "jax": jax.__version__}
+             "step": {str(r): v for r, v in step.items()}, "jax": jax.__version__}
   lines = [
     "# int8 vs f32 activations on the real SmolLM2-135M Q4_1 GGUF",
     "",
@@ -163,6 +179,15 @@ def logit_error() -> dict:
     f"Over all {tokens} positions: max |Δlogit| {summary['max_abs_dlogit']:.3g}, argmax agrees "
     f"at {summary['argmax_agree']}/{tokens}, KL mean {summary['kl_mean']:.2e}, max "
     f"{summary['kl_max']:.2e}.",
+    "",
+    "Forward time of the whole model on `[rows, 1]` token ids (every linear layer and the head "
+    "at that many rows; attention over one position), medians of 30 interleaved rounds, the "
+    "machine shared with other workers' benchmarks:",
+    "",
+    "| rows | f32 x (ms) | int8 x (ms) | int8 / f32 | load |",
+    "|---|---|---|---|---|",
+    *[f"| {r} | {v['f32_ms']:.2f} | {v['int8_ms']:.2f} | {v['ratio']:.2f} | {v['load']:.1f} |"
+      for r, v in step.items()],
     "",
     "| prompt | tokens | max abs dlogit | mean abs dlogit | max abs logit | argmax agree | KL mean | KL max |",
     "|---|---|---|---|---|---|---|---|",
