@@ -17,7 +17,8 @@ kernel keeps prefill chunks too (an earlier run of bench/quant_kernel_bench.py -
 
 Numerics: two activation modes (`activations_for`; ``$BITDELTA_QUANT_ACTIVATIONS``). ``f32``:
 x stays f32, f32 products and sums in another order than `reference.quant_matmul_reference`
-(agrees to f32 rounding). ``int8`` (the default for q4_0 / q4_1, as llama.cpp's CPU path): the
+(agrees to f32 rounding), the default. ``int8`` (opt-in, as llama.cpp's CPU path; ``auto``
+takes it for q4_0 / q4_1, where it is faster): the
 base product's x quantized per row and 32-block as ggml's Q8_0 with an f32 scale (d = max|x|/127,
 round to nearest even), integer products summed exactly in int32 per block, then
 (d_w·d_x)·Σ (+ m_w·d_x·Σq_x for Q4_1, ggml's Q8_1 sum) in f32: x's rounding costs ~0.5% of y's
@@ -53,7 +54,11 @@ ACTIVATIONS = ("f32", "int8")
 # time and q4_1 to 0.82x (0.55-0.85); q8_0's vpmaddwd + vpaddd do 16 multiply-adds in two
 # instructions, as two FMAs: a median 0.83x but 0.60-1.35 (slower at 8 rows on the large
 # shapes), so q8_0 keeps f32 x
-DEFAULT_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
+# ``auto``: the faster mode per format on the measured machines (bench/results/quant_kernel.md);
+# the default stays f32: int8 activations change greedy tokens at a few positions (argmax equal
+# at 64/66 on the real SmolLM2 Q4_1 model), and a GGUF base must give the f32 path's tokens
+FASTEST_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
+DEFAULT_ACTIVATIONS = "f32"
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
@@ -115,13 +120,14 @@ def shapes_supported(rows: int, qk: QuantizedKernel) -> str | None:
 
 def activations_for(fmt: str, activations: str | None = None) -> str:
   """The activations a product over ``fmt`` blocks runs with: ``activations`` if given, else
-  ``$BITDELTA_QUANT_ACTIVATIONS`` (``f32`` | ``int8`` | ``auto``; read when a program is
-  traced), else (``auto``) `DEFAULT_ACTIVATIONS` of the format. Every row count of a call takes
+  ``$BITDELTA_QUANT_ACTIVATIONS`` (``f32`` | ``int8`` | ``auto``: `FASTEST_ACTIVATIONS` of the
+  format; read when a program is traced), else `DEFAULT_ACTIVATIONS` (f32). Every row count of
+  a call takes
   the same mode, so a token's numbers do not depend on whether it came in a prompt chunk or a
   decode step."""
-  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or "auto"
+  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or DEFAULT_ACTIVATIONS
   if mode == "auto":
-    mode = DEFAULT_ACTIVATIONS[fmt]
+    mode = FASTEST_ACTIVATIONS[fmt]
   if mode not in ACTIVATIONS:
     raise ValueError(f"quantized activations {mode!r}: choose from {ACTIVATIONS} or 'auto'")
   return mode
