@@ -42,6 +42,33 @@ def enable_compile_cache() -> None:
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
+_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def memory_scheduler() -> bool:
+  """Has XLA's CPU compiler order each program to minimize its memory (``XLA_FLAGS`` gets
+  ``--xla_cpu_enable_concurrency_optimized_scheduler=false``) unless the flags name that option
+  already; True when it is (or was) in effect. XLA reads its flags when the backend starts, so
+  this works only before the first JAX computation of the process (`build_generator` calls it
+  first); later it changes nothing and returns whether the flags say so.
+
+  Why: the default CPU scheduler (concurrency-optimized) runs what each layer derives from its
+  weights alone (dequantized GGUF blocks, W + α⊙S expansions) for every unrolled layer up front
+  and keeps them all alive: SmolLM2 Q4_1's 544-token step needed 2485 MB of temporaries (1.5 GB
+  of dequantized weights) instead of 307 MB, 2x its weights and KV pool together
+  (`bench/results/memory.md`). The per-compile option (``compile(compiler_options)``) is
+  accepted but does not reach the scheduler in jax 0.10's CPU client, hence the flag."""
+  flags = os.environ.get("XLA_FLAGS", "")
+  if _SCHEDULER_FLAG not in flags:
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+      return False
+    os.environ["XLA_FLAGS"] = f"{flags} {_SCHEDULER_FLAG}=false".strip()
+    return True
+  return f"{_SCHEDULER_FLAG}=false" in flags or f"{_SCHEDULER_FLAG}=0" in flags
+
+
 def data_size(cfg) -> int:
   """The ``data`` size of ``cfg.mesh`` (a checked ``"data=D,model=M"`` spec; 1 without)."""
   for part in (getattr(cfg, "mesh", None) or "").split(","):
@@ -88,6 +115,9 @@ def build_generator(cfg, banks: Banks = Banks(), *, tokenizer=None,
 
   from bitdelta_jax.engine.generator import Generator
 
+  if not memory_scheduler():
+    log.info("XLA's memory-minimizing CPU scheduler could not be chosen (JAX started before "
+             "the engine was built): long prompt steps may need more memory")
   dtype = getattr(jnp, cfg.dtype)
   mesh = None
   kw = banks.model_kwargs()
@@ -104,6 +134,9 @@ def build_generator(cfg, banks: Banks = Banks(), *, tokenizer=None,
     from bitdelta_jax.models import from_pretrained
 
     model = from_pretrained(cfg.base, dtype, num_slots=cfg.device_slots + 1, **kw)
+  from bitdelta_jax.engine.runner import release_free_heap
+
+  release_free_heap()  # the host copies the load freed (a heap of ≤32 MB arrays) go back now
   return Generator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
                    page_size=cfg.page_size,
                    num_pages=kv_pages(cfg, model.config, model.dtype.itemsize),

