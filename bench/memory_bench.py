@@ -143,8 +143,8 @@ def child(case: dict) -> dict:
 
   import bitdelta_jax.delta.stream as stream
   import bitdelta_jax.engine.generator as generator
-  import bitdelta_jax.models as models
   import bitdelta_jax.engine.runner as runner_mod
+  import bitdelta_jax.models as models
   from serving.app import start_site, with_gguf_base
   from serving.config import ServerConfig
 
