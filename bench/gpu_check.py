@@ -99,11 +99,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the server shares the GPU
 
+import gpu_prefill  # noqa: E402  (bench/: the prefill stage)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
-import gpu_prefill  # noqa: E402  (bench/: the prefill stage)
 
 STAGES = ("env", "kernel_numerics", "kernel_bench", "attention", "prefill", "serve")
 GPU_DELTA_IMPLS = ("mosaic_gpu", "pallas_triton")

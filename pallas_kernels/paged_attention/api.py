@@ -190,39 +190,16 @@ def ragged_paged_attention(
       window=window,
       interpret=interpret,
     )
+  chunks = dict(pages=pages, page_seq=page_seq, page_start=page_start, page_fill=page_fill,
+                token_seq=token_seq, positions=positions, window=window)
   if name == "mosaic_gpu" and prefill_unavailable_reason(q_NxHxD, k_pool) is None:
     pre = mosaic_gpu_prefill.packed_prefill(
-      q_NxHxD,
-      k_pool,
-      v_pool,
-      layer,
-      pages=pages,
-      page_seq=page_seq,
-      page_start=page_start,
-      page_fill=page_fill,
-      token_seq=token_seq,
-      positions=positions,
-      window=window,
-      interpret=interpret,
-    )
-    return reference.merge(dec, pre, lane_len)
-  narrow = name == "cpu" and k_pool.dtype != jnp.float32
-  pre = reference.packed_prefill(
-    q_NxHxD,
-    k_pool,
-    v_pool,
-    layer,
-    pages=pages,
-    page_seq=page_seq,
-    page_start=page_start,
-    page_fill=page_fill,
-    token_seq=token_seq,
-    positions=positions,
-    blocks=blocks,
-    block_pages=block_pages,
-    window=window,
-    gather=cpu.gather if narrow else None,
-  )
+      q_NxHxD, k_pool, v_pool, layer, **chunks, interpret=interpret)
+  else:
+    narrow = name == "cpu" and k_pool.dtype != jnp.float32
+    pre = reference.packed_prefill(
+      q_NxHxD, k_pool, v_pool, layer, **chunks, blocks=blocks, block_pages=block_pages,
+      gather=cpu.gather if narrow else None)
   return reference.merge(dec, pre, lane_len)
 
 
