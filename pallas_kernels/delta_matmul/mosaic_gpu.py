@@ -515,18 +515,17 @@ def delta_matmul_bank(
   _check(x, w_base, bits, group_k)
   m, n = x.shape[0], w_base.shape[1]
   cfg = config or MosaicConfig.heuristic(m, x.shape[1], n, group_k, x.dtype.itemsize)
-  order, meta = segments(slot_ids, bits.shape[0], m, cfg.block_m)
-  y_sorted = fused_call(
-    x[order],
-    w_base,
-    bits,
-    scale,
-    meta,
-    group_k=group_k,
-    banked=True,
-    config=cfg,
-    interpret=interpret,
-  )[:m, :n].astype(x.dtype)
+  return _by_slot(x, w_base, bits, scale, slot_ids, group_k=group_k, config=cfg,
+                  interpret=interpret).astype(x.dtype)
+
+
+def _by_slot(x, w_base, bits, scale, slot_ids, *, config, **kw):
+  """The bank kernel over ``x``'s rows sorted by slot (`segments`), rows put back in order:
+  f32 ``[M, N]``."""
+  m, n = x.shape[0], bits.shape[-1]
+  order, meta = segments(slot_ids, bits.shape[0], m, config.block_m)
+  y_sorted = fused_call(x[order], w_base, bits, scale, meta, banked=True, config=config,
+                        **kw)[:m, :n]
   return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
 
 
@@ -578,17 +577,5 @@ def delta_bank_products(
   m, k = x.shape
   n = bits.shape[-1]
   cfg = config or MosaicConfig.heuristic(m, k, n, group_k, x.dtype.itemsize)
-  order, meta = segments(slot_ids, bits.shape[0], m, cfg.block_m)
-  y_sorted = fused_call(
-    x[order],
-    None,
-    bits,
-    scale,
-    meta,
-    group_k=group_k,
-    banked=True,
-    config=cfg,
-    interpret=interpret,
-    kernel_name=kernel_name,
-  )[:m, :n]
-  return jnp.zeros_like(y_sorted).at[order].set(y_sorted)
+  return _by_slot(x, None, bits, scale, slot_ids, group_k=group_k, config=cfg,
+                  interpret=interpret, kernel_name=kernel_name)
