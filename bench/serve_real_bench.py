@@ -102,15 +102,18 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def launch_server(base, variants, port, log, *, device_slots: int = 4, extra: tuple = ()):
+def launch_server(base, variants, port, log, *, device_slots: int = 4, extra: tuple = (),
+                  env: dict | None = None):
   """`bitdelta serve` as a subprocess (base id "base"), not waited for (`wait_healthy`).
-  ``extra``: more CLI arguments (e.g. ``("--dtype", "bfloat16")``)."""
+  ``extra``: more CLI arguments (e.g. ``("--dtype", "bfloat16")``); ``env``: variables set
+  over this process's environment for the server."""
   cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
          str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots",
          str(device_slots), "--base-name", "base", *extra]
   for n, d in variants.items():
     cmd += ["--variant", f"{n}={d}"]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def wait_healthy(proc, port, log, t0=None, timeout_s=1800):
