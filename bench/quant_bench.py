@@ -219,8 +219,11 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
     for fmt in fmts:
       g, vdirs = built[fmt]
       vs = {f"v{i}": str(d) for i, d in enumerate(vdirs)}
+      # 7B: prompt chunks of 64 tokens (the warm-up runs every step program once; 544-token
+      # steps of a 7B take minutes on 2 cores), deltas not kept twice (slots + host cache)
       servers[fmt] = dict(base=g, variants=vs, slots=len(vs),
-                          extra=("--host-cache-mb", "512") if shape == "7b" else ())
+                          extra=("--host-cache-mb", "512", "--prefill-chunk", "64")
+                          if shape == "7b" else ())
       llamas[f"llama_{fmt}"] = g
       scen |= _scenarios(fmt, fmt, list(vs), mix_all=len(vs) > 3)
       out["stored_mb"][fmt] = _gguf_tensor_mb(g)

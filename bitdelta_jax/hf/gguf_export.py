@@ -21,7 +21,7 @@ rows (`CHUNK_ELEMENTS`) and appended, so memory stays a few blocks whatever the 
 The tokenizer metadata comes from ``tokenizer.json`` (byte-level BPE only: vocabulary, merges,
 added tokens as control / user-defined tokens) and ``tokenizer_config.json`` (BOS/EOS/UNK/PAD,
 ``add_bos_token``, the chat template). The pre-tokenizer is named for llama.cpp from its
-structure (``Digits`` then ``ByteLevel``: ``smollm``; ``ByteLevel`` alone: ``gpt2``).
+structure (``Digits`` then ``ByteLevel``: ``smollm``; ``ByteLevel`` alone: ``gpt-2``).
 
     path = write_gguf(hf_dir, "model-q4_0.gguf", dtype="q4_0")  # f32 | bf16 | q8_0 | q4_0 | q4_1
 """
@@ -86,10 +86,27 @@ def _check_config(cfg: dict[str, Any]) -> None:
 def _pre_name(pre: dict | None) -> str:
   kinds = [p["type"] for p in (pre or {}).get("pretokenizers", [pre] if pre else [])]
   if kinds == ["ByteLevel"]:
-    return "gpt2"
+    return "gpt-2"  # llama.cpp's name (it refuses "gpt2": "unknown pre-tokenizer type")
   if kinds == ["Digits", "ByteLevel"] and pre["pretokenizers"][0].get("individual_digits"):
     return "smollm"
   raise GGUFExportError(f"pre-tokenizer {kinds}: not exported (known: ByteLevel, Digits+ByteLevel)")
+
+
+def gguf_writer(path: str, arch: str = "llama"):
+  """gguf-py's writer, except that an empty array with a declared element type is written (a
+  zero-length GGUF array, which the format allows and llama.cpp reads) instead of refused:
+  a byte-level BPE without merges still needs its ``tokenizer.ggml.merges`` key, or llama.cpp
+  refuses the file ("cannot find tokenizer merges in model file")."""
+  import gguf
+
+  class Writer(gguf.GGUFWriter):
+    def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+      if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+        head = self._pack("I", vtype) if add_vtype else b""
+        return head + self._pack("I", sub_type) + self._pack("Q", 0)
+      return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+  return Writer(path, arch)
 
 
 def tokenizer_metadata(hf_dir: str | os.PathLike, vocab_size: int) -> dict[str, Any]:
@@ -180,7 +197,9 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
   w.add_tokenizer_pre(tok["pre"])
   w.add_token_list(tok["tokens"])
   w.add_token_types(tok["token_type"])
-  w.add_token_merges(tok["merges"])
+  # written even when empty (`_Writer`): gguf-py's add_token_merges drops an empty list
+  w.add_key_value(gguf.Keys.Tokenizer.MERGES, tok["merges"], gguf.GGUFValueType.ARRAY,
+                  sub_type=gguf.GGUFValueType.STRING)
   w.add_add_space_prefix(False)
   w.add_add_bos_token(tok["add_bos_token"])
   w.add_add_eos_token(tok["add_eos_token"])
@@ -309,7 +328,7 @@ def write_gguf(
     plan = _plan(reader, cfg, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.partial")  # mode from the umask
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w = gguf_writer(str(tmp))
     try:
       _add_metadata(w, cfg, tok, dtype, name or d.name)
       for t in plan:  # the tensor table first: every size is known without reading a tensor

@@ -29,6 +29,7 @@ from bitdelta_jax.hf.gguf_export import (
   QUANTIZED,
   GGUFExportError,
   _add_metadata,
+  gguf_writer,
   permute_rows,
   tokenizer_metadata,
   write_gguf,
@@ -167,6 +168,20 @@ def test_metadata_dir_has_config_tokenizer_and_no_weights(files, tmp_path):
   assert not [p for p in tmp_path.iterdir() if p.name != "meta"]  # no temporary left
 
 
+def test_bpe_without_merges_writes_the_merges_key(files):
+  """The byte tokenizer has no merges; gguf-py drops an empty array, and llama.cpp then refuses
+  the file ("cannot find tokenizer merges in model file"): the key is written, empty."""
+  field = gguf.GGUFReader(files["q8_0"]).fields.get(gguf.Keys.Tokenizer.MERGES)
+  assert field is not None
+  assert field.types == [gguf.GGUFValueType.ARRAY] and len(field.data) == 0  # an empty array
+  try:
+    from llama_cpp import Llama
+  except ImportError:
+    return
+  llm = Llama(str(files["q8_0"]), n_ctx=64, verbose=False)  # llama.cpp itself reads the file
+  assert llm.n_vocab() == VOCAB
+
+
 def test_k_not_a_multiple_of_32_names_the_tensor(tmp_path):
   d = tmp_path / "odd"
   make_hf_model("llama", d, vocab_size=VOCAB, intermediate_size=80)  # down_proj: K = 80
@@ -181,7 +196,7 @@ def test_k_not_a_multiple_of_32_names_the_tensor(tmp_path):
 def test_other_ggml_types_are_not_read_as_blocks(tiny, tmp_path):
   cfg = json.loads((tiny / "config.json").read_text())
   path = tmp_path / "q5.gguf"
-  w = gguf.GGUFWriter(str(path), "llama")
+  w = gguf_writer(str(path))
   _add_metadata(w, cfg, tokenizer_metadata(tiny, VOCAB), "f32", "q5")
   w.add_tensor("output_norm.weight", np.ones(64, np.float32))
   q5 = gguf.quants.quantize(np.ones((64, 64), np.float32), gguf.GGMLQuantizationType.Q5_0)
