@@ -22,8 +22,11 @@ In every group each scenario runs once per round, the order rotating (`harness.i
 two warm-up calls first); tokens/s from the median wall time, ratios within one run. Scenarios:
 one stream of the base (``FMT``), of one variant (``FMT_variant``), a 3-stream mix of base and
 two variants (``FMT_mix3``), 8 concurrent base streams (``FMT_conc8``), and at 7B Q4_0 one
-stream per variant at once (``q4_0_mix14``); llama.cpp (llama-cpp-python, 2 threads, one
-sequence: its Python API does not batch) on the same file (``llama_FMT``). Every request is
+stream per variant at once (``q4_0_mix14``); llama.cpp on the same file: one stream through
+llama-cpp-python (2 threads; ``llama_FMT``) and 8 concurrent requests to llama.cpp's own
+``llama-server -np 8 -t 2`` (``llama_FMT_conc8``, continuous batching; with ``--llama-server``:
+build it from the llama-cpp-python sdist's vendored llama.cpp, ``cmake -B build
+-DLLAMA_CURL=OFF && cmake --build build --target llama-server``). Every request is
 greedy and makes exactly ``--tokens`` tokens (``ignore_eos``). Memory: each server's VmHWM
 (peak) and VmRSS after load, warm-up and the rounds, against the GGUF's tensor bytes.
 """
@@ -102,19 +105,44 @@ def _concurrent(port: int, models: list[str], tokens: int, tag: str) -> int:
   return sum(r["tokens"] for r in recs)
 
 
+def _plain_concurrent(port: int, n: int, tokens: int, tag: str) -> int:
+  """``n`` non-streaming completions at once (threads) against an OpenAI-style server."""
+  from concurrent.futures import ThreadPoolExecutor
+
+  with ThreadPoolExecutor(n) as pool:
+    return sum(pool.map(lambda i: _request(port, "base", tokens, f"{tag}-{i}"), range(n)))
+
+
+def launch_llama_server(binary: str, gguf, port: int, log, parallel: int = 8):
+  """llama.cpp's own server (continuous batching over ``parallel`` sequences, 2 threads), the
+  batched peer of our server: llama-cpp-python's API runs one sequence."""
+  cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", "2", "-tb",
+         "2", "-np", str(parallel), "-c", str(512 * parallel), "--no-webui"]
+  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
 def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, tokens: int,
-              work: pathlib.Path, quick: bool) -> dict:
+              work: pathlib.Path, quick: bool, llama_servers: dict | None = None,
+              llama_server_bin: str | None = None) -> dict:
   """Starts ``servers`` ({name: dict(base, variants, slots, extra, env)}) one at a time (their
   start-up compiles use both cores) and llama.cpp on ``llamas`` ({name: gguf}); times
   ``scenarios`` ({key: (server, [model, ...])} or {key: (llama name, None)}) in interleaved
-  rounds; returns tokens/s, the servers' memory and start times."""
+  rounds; returns tokens/s, the servers' memory and start times. ``llama_servers``
+  ({name: gguf}): llama.cpp's server (``llama_server_bin``) on the file, for scenarios
+  {key: (name, n concurrent requests)}."""
   from cpu_decode_bench import LlamaCpp
   from harness import interleaved
   from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
 
   procs, ports, start_s = {}, {}, {}
   res: dict = {}
+  lsrv = {}  # llama-server processes (not measured for memory: they map the file)
   try:
+    for name, path in (llama_servers or {}).items():
+      ports[name] = free_port()
+      lsrv[name] = launch_llama_server(llama_server_bin, path, ports[name],
+                                       open(work / f"{name}.log", "w"))
+      wait_healthy(lsrv[name], ports[name], open(work / f"{name}.log", "a"), timeout_s=600)
     for name, s in servers.items():
       ports[name] = free_port()
       log = open(work / f"{name}.log", "w")
@@ -136,7 +164,13 @@ def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, toke
     counter = iter(range(10**9))
     fns, made = {}, {}
     for key, (target, models) in scenarios.items():
-      if models is None:
+      if isinstance(models, int):  # llama-server: ``models`` is the number of requests
+        if target not in lsrv:
+          continue
+        fns[key] = lambda p=ports[target], k=models: _plain_concurrent(p, k, tokens,
+                                                                       f"s{next(counter)}")
+        made[key] = tokens * models
+      elif models is None:
         if target not in llms:
           continue
         fns[key] = lambda llm=llms[target]: llm.generate(PROMPT.format(tag=f"l{next(counter)}"),
@@ -156,7 +190,7 @@ def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, toke
     res["server_start_s"] = start_s
     res["wall_s"] = t.wall
   finally:
-    for p in procs.values():
+    for p in [*procs.values(), *lsrv.values()]:
       stop_server(p)
   return res
 
@@ -167,10 +201,18 @@ def _scenarios(server: str, fmt: str, variants: list[str], *, mix_all: bool = Fa
   if mix_all:
     out[f"{fmt}_mix{len(variants)}"] = (server, list(variants))
   out[f"llama_{fmt}"] = (f"llama_{fmt}", None)
+  out[f"llama_{fmt}_conc8"] = (f"llamasrv_{fmt}", 8)
   return out
 
 
 # -- sections -------------------------------------------------------------------------------------
+def _llama_servers(args, files: dict) -> dict:
+  if not args.llama_server:
+    return {}
+  return {"llama_servers": {f"llamasrv_{f}": g for f, g in files.items()},
+          "llama_server_bin": args.llama_server}
+
+
 def section_smollm2(args, work: pathlib.Path) -> dict:
   from quant_models import write_random_variant
 
@@ -194,7 +236,8 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
           "f32": ("f32", ["base"]), "f32_variant": ("f32", [names[0]]),
           "q4_1_cosched": ("q4_1_cosched", ["base"])}
   r = run_group(servers, {"llama_q4_1": q4, "llama_q8_0": q8}, scen, rounds=args.rounds,
-                tokens=args.tokens, work=work, quick=args.quick)
+                tokens=args.tokens, work=work, quick=args.quick,
+                **_llama_servers(args, {"q4_1": q4, "q8_0": q8}))
   r["stored_mb"] = {"q4_1": _gguf_tensor_mb(q4), "q8_0": _gguf_tensor_mb(q8),
                     "q4_1_cosched": _gguf_tensor_mb(q4),
                     "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
@@ -231,7 +274,7 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
       out["variants"][fmt] = len(vs)
     print(f"{shape} group {fmts}", flush=True)
     r = run_group(servers, llamas, scen, rounds=args.rounds, tokens=args.tokens, work=work,
-                  quick=args.quick)
+                  quick=args.quick, **_llama_servers(args, {f: built[f][0] for f in fmts}))
     for k in ("tokens_per_s", "median_s", "memory_mb", "server_start_s"):
       out[k] |= r.get(k, {})
     out["llama_cpp"] = r.get("llama_cpp")
@@ -271,7 +314,8 @@ def render(res: dict) -> list[str]:
     rat = ratios(s)
     lines += [f"## {TITLES[name]}", "", f"{machine_line(s)} Run {s.get('run_at', '?')}: "
               f"{s['config']['rounds']} interleaved rounds, {s['config']['tokens']} greedy tokens "
-              f"per request; llama.cpp: llama-cpp-python {s.get('llama_cpp')}, 2 threads.", ""]
+              f"per request; llama.cpp: llama-cpp-python {s.get('llama_cpp')}, 2 threads (one "
+              "stream); `llama_*_conc8`: the same llama.cpp's `llama-server -np 8 -t 2`.", ""]
     if name == "smollm2":
       lines += ["The Q4_1 file is the wheel's own (its embedding is Q8_0); Q8_0 is `bitdelta "
                 "quantize` of its dequantized weights; f32 is the same weights dequantized (`zoo "
@@ -346,6 +390,9 @@ def main(argv=None) -> int:
   p.add_argument("--rounds", type=int, default=3)
   p.add_argument("--tokens", type=int, default=32)
   p.add_argument("--quick", action="store_true", help="a smoke run: no llama.cpp if missing")
+  p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                 help="llama.cpp's llama-server binary, for the 8-concurrent peer (built from the "
+                 "llama-cpp-python sdist's vendored llama.cpp; without it those rows are left out)")
   p.add_argument("--models", default=None, help="where quant_models builds the random models")
   p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant"))
   args = p.parse_args(argv)
