@@ -38,7 +38,10 @@ import harness  # noqa: E402
 FORMATS = ("q8_0", "q4_0", "q4_1")
 
 
-def _candidates(m: int, k: int, n: int, bf16: bool):
+AVX2_TARGET = "bitdelta_quant_rows_avx2"
+
+
+def _candidates(m: int, k: int, n: int, bf16: bool, avx2: bool = False):
   """{name: (fn, bytes read)}."""
   import jax
   import jax.numpy as jnp
@@ -65,6 +68,13 @@ def _candidates(m: int, k: int, n: int, bf16: bool):
       out[fmt + tag] = (lambda qk=qk, f=qmm: f(x, qk), qk.nbytes)
       out[f"{fmt}{tag}+var"] = (lambda qk=qk, f=qmv: f(x, qk, bits, scale),
                                 qk.nbytes + bits.nbytes)
+  if avx2:  # the same kernel built without AVX-512 (its 8-column tiles), f32 activations
+    cpu_rows.build_target(("-march=native", "-mno-avx512f"), AVX2_TARGET)
+    qa = jax.jit(lambda x, q: cpu_rows.rows_call(x, q, group_k=g, activations="f32",
+                                                 target=AVX2_TARGET))
+    for fmt in FORMATS:
+      qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
+      out[f"{fmt}@avx2"] = (lambda qk=qk, f=qa: f(x, qk), qk.nbytes)
   gemv = jax.jit(lambda x, w: x @ w)
   out["xla_f32"] = (lambda: gemv(x, wj), wj.nbytes)
   if bf16:
@@ -77,11 +87,11 @@ def _candidates(m: int, k: int, n: int, bf16: bool):
 
 
 def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
-        bf16: bool = False) -> list[dict]:
+        bf16: bool = False, avx2: bool = False) -> list[dict]:
   res = []
   for k, n in shapes:
     for m in rows:
-      cands = _candidates(m, k, n, bf16)
+      cands = _candidates(m, k, n, bf16, avx2)
       t = harness.interleaved({c: f for c, (f, _) in cands.items()}, rounds, min_rounds=rounds)
       med = t.medians()
       row = {"rows": m, "k": k, "n": n, "rounds": rounds, "load": os.getloadavg()[0]}
@@ -91,6 +101,8 @@ def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
         row[f"{c}_vs_xla"] = med[c] / med["xla_f32"]
         if ":int8" in c:
           row[f"{c}_vs_f32act"] = med[c] / med[c.replace(":int8", "")]
+        if c.endswith("@avx2"):  # this build's time over the AVX2 build's
+          row[f"{c[:-5]}_vs_avx2"] = med[c[:-5]] / med[c]
       res.append(row)
       print(f"M={m} K={k} N={n}:", {c: f"{row[c + '_us']:.0f}us {row[c + '_gbps']:.1f}GB/s"
                                      for c in cands}, flush=True)
@@ -207,6 +219,9 @@ def main() -> None:
   ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
   ap.add_argument("--bf16", action="store_true", help="also delta_matmul on bf16 W")
   ap.add_argument("--quick", action="store_true", help="smoke run: small sizes, 1 round, no files")
+  ap.add_argument("--avx2", action="store_true",
+                  help="also the kernel built without AVX-512 (f32 activations): the 16- vs "
+                  "8-column tiles in one run")
   ap.add_argument("--logits", action="store_true",
                   help="only the real SmolLM2 Q4_1 model's logit error, int8 vs f32 activations")
   args = ap.parse_args()
@@ -214,19 +229,18 @@ def main() -> None:
     logit_error()
     return
   if args.quick:
-    run((1, 8, 20), ((256, 200),), 1, args.bf16)
+    run((1, 8, 20), ((256, 200),), 1, args.bf16, args.avx2)
     return
   shapes = ((576, 1536), (1536, 576), (2048, 8192), (4096, 4096))
-  rows = run(tuple(args.rows), shapes, args.rounds, args.bf16)
+  rows = run(tuple(args.rows), shapes, args.rounds, args.bf16, args.avx2)
   names = [c[:-3] for c in rows[0] if c.endswith("_us")]
   pairs = [c for c in names if ":int8" in c]
   lines = [
     "# Quantized-base CPU kernel (quant_matmul cpu_rows): f32 vs int8 activations",
     "",
     f"Medians of {args.rounds} interleaved rounds (bench/quant_kernel_bench.py), all candidates "
-    "in one process, round by round; the machine (2 cores) was shared with other workers' "
-    "tests, so single times are noisy: compare the ratios (taken within each round's "
-    "medians) and the load column.",
+    "in one process, round by round; compare the ratios (taken within each round's medians) "
+    "and the load column (other work on the 2 cores makes single times noisy).",
     "",
     harness.machine_line({}),
     "",
@@ -239,6 +253,14 @@ def main() -> None:
     lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | "
                  + " | ".join(f"{r[c + '_vs_f32act']:.2f}" for c in pairs)
                  + f" | {r['load']:.1f} |")
+  vs = [c for c in FORMATS if f"{c}_vs_avx2" in rows[0]]
+  if vs:
+    lines += ["", "## 16-column (AVX-512) / 8-column (AVX2) tiles, f32 activations (time ratio)",
+              "", "| M | K x N | " + " | ".join(vs) + " | load |",
+              "|---|---|" + "---|" * (len(vs) + 1),
+              *[f"| {r['rows']} | {r['k']}x{r['n']} | "
+                + " | ".join(f"{r[c + '_vs_avx2']:.2f}" for c in vs) + f" | {r['load']:.1f} |"
+                for r in rows]]
   lines += [
     "",
     "## Times",

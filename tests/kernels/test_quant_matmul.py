@@ -197,6 +197,27 @@ def test_portable_build(fmt):
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_avx2_build_equals_native_build(fmt):
+  """The AVX2 tiles (built with AVX-512 turned off) give the same bits as this machine's build
+  (on an AVX-512 CPU: the 16-column tiles, the same FMA chain per column) and both the float64
+  answer; column counts with 64-, 16- and 8-wide remainders."""
+  target = "bitdelta_quant_rows_avx2"
+  try:
+    cpu_rows.build_target(("-march=native", "-mno-avx512f"), target)
+  except RuntimeError as e:
+    pytest.skip(f"no AVX2 build here: {e}")
+  for m, k, n, seed in ((1, 576, 1000, 1), (3, 96, 88, 2), (8, 1536, 216, 3), (17, 576, 200, 4)):
+    g, qk, x, bits, scale = _case(fmt, m, k, n, 3, seed=seed)
+    qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
+    slots = jnp.asarray(np.arange(m) % 3, jnp.int32)  # 0: the base; bank rows 1, 2
+    native = cpu_rows.rows_call(xj, qj, bits, scale, slots, group_k=g)
+    avx2 = cpu_rows.rows_call(xj, qj, bits, scale, slots, group_k=g, target=target)
+    np.testing.assert_array_equal(np.asarray(native), np.asarray(avx2))
+    _check(native, *_want64(x, qk, bits, scale, np.asarray(slots), g))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_reference_equals_kernel(fmt):
   g, qk, x, bits, scale = _case(fmt, 5, 576, 200, 3, seed=11)
   qj = jax.tree.map(jnp.asarray, qk)
