@@ -338,10 +338,10 @@ def ensure_ggufs(base: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 class LlamaCpp:
-  def __init__(self, path, threads: int):
+  def __init__(self, path, threads: int, n_ctx: int = 2048):
     from llama_cpp import Llama
 
-    self.llm = Llama(str(path), n_ctx=2048, n_threads=threads, n_threads_batch=threads,
+    self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                      n_batch=512, verbose=False, seed=0)
 
   def ids(self, text: str) -> list[int]:

@@ -113,11 +113,11 @@ def _plain_concurrent(port: int, n: int, tokens: int, tag: str) -> int:
     return sum(pool.map(lambda i: _request(port, "base", tokens, f"{tag}-{i}"), range(n)))
 
 
-def launch_llama_server(binary: str, gguf, port: int, log, parallel: int = 8):
-  """llama.cpp's own server (continuous batching over ``parallel`` sequences, 2 threads), the
-  batched peer of our server: llama-cpp-python's API runs one sequence."""
+def launch_llama_server(binary: str, gguf, port: int, log, parallel: int = 8, ctx: int = 256):
+  """llama.cpp's own server (continuous batching over ``parallel`` sequences of ``ctx`` tokens,
+  2 threads), the batched peer of our server: llama-cpp-python's API runs one sequence."""
   cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", "2", "-tb",
-         "2", "-np", str(parallel), "-c", str(512 * parallel), "--no-webui"]
+         "2", "-np", str(parallel), "-c", str(ctx * parallel), "--no-webui"]
   return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -156,7 +156,7 @@ def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, toke
     try:
       import llama_cpp
 
-      llms = {k: LlamaCpp(path, 2) for k, path in llamas.items()}
+      llms = {k: LlamaCpp(path, 2, n_ctx=512) for k, path in llamas.items()}
       res["llama_cpp"] = llama_cpp.__version__
     except ImportError:
       if not quick:
