@@ -41,7 +41,7 @@ FORMATS = ("q8_0", "q4_0", "q4_1")
 AVX2_TARGET = "bitdelta_quant_rows_avx2"
 
 
-def _candidates(m: int, k: int, n: int, bf16: bool, avx2: bool = False):
+def _candidates(m: int, k: int, n: int, bf16: bool):
   """{name: (fn, bytes read)}."""
   import jax
   import jax.numpy as jnp
@@ -59,22 +59,18 @@ def _candidates(m: int, k: int, n: int, bf16: bool, avx2: bool = False):
   scale = jnp.asarray(rng.uniform(0.001, 0.01, (n,)), jnp.float32)
   wj = jnp.asarray(w)
   out = {}
+  # one copy of each format's blocks for every candidate: separately allocated copies timed
+  # differently (placement: a Q8_0 copy ran 1.1-1.6x the other's time with the same code)
+  qks = {fmt: jax.tree.map(jnp.asarray, blocks.quantize(w, fmt)) for fmt in FORMATS}
   for act, tag in (("f32", ""), ("int8", ":int8")):
     qmm = jax.jit(lambda x, q, act=act: cpu_rows.rows_call(x, q, group_k=g, activations=act))
     qmv = jax.jit(lambda x, q, b, s, act=act: cpu_rows.rows_call(x, q, b, s, group_k=g,
                                                                  activations=act))
     for fmt in FORMATS:
-      qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
+      qk = qks[fmt]
       out[fmt + tag] = (lambda qk=qk, f=qmm: f(x, qk), qk.nbytes)
       out[f"{fmt}{tag}+var"] = (lambda qk=qk, f=qmv: f(x, qk, bits, scale),
                                 qk.nbytes + bits.nbytes)
-  if avx2:  # the same kernel built without AVX-512 (its 8-column tiles), f32 activations
-    cpu_rows.build_target(("-march=native", "-mno-avx512f"), AVX2_TARGET)
-    qa = jax.jit(lambda x, q: cpu_rows.rows_call(x, q, group_k=g, activations="f32",
-                                                 target=AVX2_TARGET))
-    for fmt in FORMATS:
-      qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
-      out[f"{fmt}@avx2"] = (lambda qk=qk, f=qa: f(x, qk), qk.nbytes)
   gemv = jax.jit(lambda x, w: x @ w)
   out["xla_f32"] = (lambda: gemv(x, wj), wj.nbytes)
   if bf16:
@@ -86,12 +82,51 @@ def _candidates(m: int, k: int, n: int, bf16: bool, avx2: bool = False):
   return out
 
 
+def avx2_ab(rows: tuple[int, ...], shapes, rounds: int) -> list[dict]:
+  """This machine's build against the same kernel built without AVX-512 (its 8-column tiles)
+  and against a second copy of this build (the noise floor), f32 activations, per format: three
+  candidates on the same arrays, interleaved. In the full candidate set the formats' separately
+  allocated blocks were timed 1.1-2x apart by placement alone."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.bits import group_k_for
+  from pallas_kernels.quant_matmul import blocks, cpu_rows
+
+  targets = {"native": "bitdelta_quant_rows", "native_copy": "bitdelta_quant_rows_copy",
+             "avx2": "bitdelta_quant_rows_avx2"}
+  cpu_rows.build_target(("-march=native",), targets["native_copy"])
+  cpu_rows.build_target(("-march=native", "-mno-avx512f"), targets["avx2"])
+  res = []
+  for k, n in shapes:
+    rng = np.random.default_rng(0)
+    g = group_k_for(k)
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    for m in rows:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      for fmt in FORMATS:
+        qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
+        fns = {}
+        for name, t in targets.items():
+          f = jax.jit(lambda x, q, t=t: cpu_rows.rows_call(x, q, group_k=g, activations="f32",
+                                                           target=t))
+          fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
+        med = harness.interleaved(fns, rounds, min_rounds=rounds).medians()
+        res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],
+                    **{f"{c}_us": 1e6 * v for c, v in med.items()},
+                    "native_vs_avx2": med["native"] / med["avx2"],
+                    "copy_vs_native": med["native_copy"] / med["native"]})
+        print(res[-1], flush=True)
+  return res
+
+
 def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
-        bf16: bool = False, avx2: bool = False) -> list[dict]:
+        bf16: bool = False) -> list[dict]:
   res = []
   for k, n in shapes:
     for m in rows:
-      cands = _candidates(m, k, n, bf16, avx2)
+      cands = _candidates(m, k, n, bf16)
       t = harness.interleaved({c: f for c, (f, _) in cands.items()}, rounds, min_rounds=rounds)
       med = t.medians()
       row = {"rows": m, "k": k, "n": n, "rounds": rounds, "load": os.getloadavg()[0]}
@@ -101,8 +136,6 @@ def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
         row[f"{c}_vs_xla"] = med[c] / med["xla_f32"]
         if ":int8" in c:
           row[f"{c}_vs_f32act"] = med[c] / med[c.replace(":int8", "")]
-        if c.endswith("@avx2"):  # this build's time over the AVX2 build's
-          row[f"{c[:-5]}_vs_avx2"] = med[c[:-5]] / med[c]
       res.append(row)
       print(f"M={m} K={k} N={n}:", {c: f"{row[c + '_us']:.0f}us {row[c + '_gbps']:.1f}GB/s"
                                      for c in cands}, flush=True)
@@ -229,10 +262,13 @@ def main() -> None:
     logit_error()
     return
   if args.quick:
-    run((1, 8, 20), ((256, 200),), 1, args.bf16, args.avx2)
+    run((1, 8, 20), ((256, 200),), 1, args.bf16)
+    if args.avx2:
+      avx2_ab((1, 8), ((256, 200),), 3)
     return
   shapes = ((576, 1536), (1536, 576), (2048, 8192), (4096, 4096))
-  rows = run(tuple(args.rows), shapes, args.rounds, args.bf16, args.avx2)
+  rows = run(tuple(args.rows), shapes, args.rounds, args.bf16)
+  ab = avx2_ab(tuple(args.rows), shapes, max(args.rounds, 101)) if args.avx2 else []
   names = [c[:-3] for c in rows[0] if c.endswith("_us")]
   pairs = [c for c in names if ":int8" in c]
   lines = [
@@ -253,14 +289,17 @@ def main() -> None:
     lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | "
                  + " | ".join(f"{r[c + '_vs_f32act']:.2f}" for c in pairs)
                  + f" | {r['load']:.1f} |")
-  vs = [c for c in FORMATS if f"{c}_vs_avx2" in rows[0]]
-  if vs:
-    lines += ["", "## 16-column (AVX-512) / 8-column (AVX2) tiles, f32 activations (time ratio)",
-              "", "| M | K x N | " + " | ".join(vs) + " | load |",
-              "|---|---|" + "---|" * (len(vs) + 1),
-              *[f"| {r['rows']} | {r['k']}x{r['n']} | "
-                + " | ".join(f"{r[c + '_vs_avx2']:.2f}" for c in vs) + f" | {r['load']:.1f} |"
-                for r in rows]]
+  if ab:
+    lines += ["", "## 16-column (AVX-512) / 8-column (AVX2) tiles, f32 activations",
+              "", "`--avx2`: per format, this build, a second copy of it (the noise floor) and "
+              "the kernel built with `-mno-avx512f`, on the same arrays, interleaved "
+              f"({max(args.rounds, 101)} rounds). Q8_0 at 1-2 rows runs the AVX2 tiles in "
+              "both builds (its 16-lane tiles were slower there).", "",
+              "| M | K x N | format | native (us) | AVX2 build (us) | native / AVX2 | copy / native | load |",
+              "|---|---|---|---|---|---|---|---|",
+              *[f"| {r['rows']} | {r['k']}x{r['n']} | {r['format']} | {r['native_us']:.0f} | "
+                f"{r['avx2_us']:.0f} | {r['native_vs_avx2']:.2f} | {r['copy_vs_native']:.2f} | "
+                f"{r['load']:.1f} |" for r in ab]]
   lines += [
     "",
     "## Times",
@@ -276,7 +315,7 @@ def main() -> None:
              for c in names]
     lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | " + " | ".join(cells)
                  + f" | {r['load']:.1f} |")
-  md = harness.write_results("quant_kernel", {"rows": rows}, lines)
+  md = harness.write_results("quant_kernel", {"rows": rows, "avx2_ab": ab}, lines)
   print(md)
 
 

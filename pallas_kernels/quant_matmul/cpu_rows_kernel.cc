@@ -386,9 +386,14 @@ void TileRow(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0, 
              int64_t n1) {
   int64_t n = n0;
 #if QROWS_AVX512
-  constexpr int C16 = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // R·C accumulators + C (q4: 2C) weights
-  for (; n + 16 * C16 <= n1; n += 16 * C16) Tile512<F, R, C16>(a, p, acc, b, row0, n);
-  for (; n + 16 <= n1; n += 16) Tile512<F, R, 1>(a, p, acc, b, row0, n);
+  // Q8_0 at 1-2 rows keeps the AVX2 tiles: its 16-lane tiles took 1.1-2.0x their time there on
+  // an AMD EPYC (Zen 4 runs 512-bit ops as two halves; a byte a weight is widened per lane),
+  // 0.6-0.9x at 8-16 rows (bench/results/quant_kernel.md)
+  if constexpr (F != kQ8_0 || R > 2) {
+    constexpr int C16 = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // R·C accumulators + C (q4: 2C) weights
+    for (; n + 16 * C16 <= n1; n += 16 * C16) Tile512<F, R, C16>(a, p, acc, b, row0, n);
+    for (; n + 16 <= n1; n += 16) Tile512<F, R, 1>(a, p, acc, b, row0, n);
+  }
 #endif
   constexpr int C = R == 1 ? 4 : R == 2 ? 4 : R <= 4 ? 2 : 1;
   for (; n + 8 * C <= n1; n += 8 * C) Tile<F, R, C>(a, p, acc, b, row0, n);
