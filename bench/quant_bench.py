@@ -22,7 +22,7 @@ In every group each scenario runs once per round, the order rotating (`harness.i
 two warm-up calls first); tokens/s from the median wall time, ratios within one run. Scenarios:
 one stream of the base (``FMT``), of one variant (``FMT_variant``), a 3-stream mix of base and
 two variants (``FMT_mix3``), 8 concurrent base streams (``FMT_conc8``), and at 7B Q4_0 one
-stream per variant at once (``q4_0_mix14``); llama.cpp on the same file: one stream through
+stream per variant at once (``q4_0_x14_mix14``, that server alone); llama.cpp on the same file: one stream through
 llama-cpp-python (2 threads; ``llama_FMT``) and 8 concurrent requests to llama.cpp's own
 ``llama-server -np 8 -t 2`` (``llama_FMT_conc8``, continuous batching; with ``--llama-server``:
 build it from the llama-cpp-python sdist's vendored llama.cpp, ``cmake -B build
@@ -207,7 +207,7 @@ def _scenarios(server: str, fmt: str, variants: list[str], *, mix_all: bool = Fa
 
 # -- sections -------------------------------------------------------------------------------------
 def _llama_servers(args, files: dict) -> dict:
-  if not args.llama_server:
+  if not args.llama_server or not files:
     return {}
   return {"llama_servers": {f"llamasrv_{f}": g for f, g in files.items()},
           "llama_server_bin": args.llama_server}
@@ -247,44 +247,61 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
 
 
 def section_shape(shape: str, args, work: pathlib.Path) -> dict:
+  """Groups (each its own servers, interleaved rounds): 1B: both formats, 3 variants each, with
+  the llama.cpp peers. 7B (24 GB holds a 7B server and llama.cpp's two processes only with few
+  variants): Q4_0 with 3 variants and its peers; then the Q4_0 server with 14 variants in 14
+  device slots alone (``q4_0_x14``: base, one variant, all 14 at once; its peak RSS is the
+  capacity row); then Q8_0 with 3 variants and its peers."""
   from quant_models import make
 
   n_var = {"1b": {"q8_0": 3, "q4_0": 3}, "7b": {"q8_0": 3, "q4_0": 14}}[shape]
   if args.quick:
     n_var = {k: min(v, 3) for k, v in n_var.items()}
   built = {fmt: make(shape, [fmt], n, pathlib.Path(args.models))[fmt] for fmt, n in n_var.items()}
-  # 1B: both formats in one group; 7B: one group per format (memory)
-  groups = [["q8_0", "q4_0"]] if shape == "1b" else [["q4_0"], ["q8_0"]]
+  # (server name, format, variants, with the llama.cpp peers)
+  groups = ([[("q8_0", "q8_0", 3, True), ("q4_0", "q4_0", 3, True)]] if shape == "1b" else
+            [[("q4_0", "q4_0", 3, True)], [("q4_0_x14", "q4_0", n_var["q4_0"], False)],
+             [("q8_0", "q8_0", 3, True)]])
   out: dict = {"tokens_per_s": {}, "median_s": {}, "memory_mb": {}, "server_start_s": {},
                "stored_mb": {}, "variant_mb": {}, "variants": {}}
-  for fmts in groups:
+  for group in groups:
     servers, llamas, scen = {}, {}, {}
-    for fmt in fmts:
+    for name, fmt, nv, peers in group:
       g, vdirs = built[fmt]
-      vs = {f"v{i}": str(d) for i, d in enumerate(vdirs)}
+      vs = {f"v{i}": str(d) for i, d in enumerate(vdirs[:nv])}
       # 7B: prompt chunks of 64 tokens (the warm-up runs every step program once; 544-token
-      # steps of a 7B take minutes on 2 cores), deltas not kept twice (slots + host cache)
-      servers[fmt] = dict(base=g, variants=vs, slots=len(vs),
-                          extra=("--host-cache-mb", "512", "--prefill-chunk", "64")
-                          if shape == "7b" else ())
-      llamas[f"llama_{fmt}"] = g
-      scen |= _scenarios(fmt, fmt, list(vs), mix_all=len(vs) > 3)
-      out["stored_mb"][fmt] = _gguf_tensor_mb(g)
-      out["variant_mb"][fmt] = _dir_mb(vdirs[0])
-      out["variants"][fmt] = len(vs)
-    print(f"{shape} group {fmts}", flush=True)
+      # steps of a 7B take minutes on 2 cores), deltas not kept twice (slots + host cache),
+      # sequences of 256 tokens (a 7B's f32 KV: 1 MiB a token)
+      extra = ()
+      if shape == "7b":
+        extra = ("--host-cache-mb", "512", "--prefill-chunk", "64", "--max-seq-len", "256",
+                 "--kv-cache-mb", "1024" if nv > 3 else "512")
+      servers[name] = dict(base=g, variants=vs, slots=len(vs), extra=extra)
+      sc = _scenarios(name, name, list(vs), mix_all=len(vs) > 3)
+      if peers:
+        llamas[f"llama_{name}"] = g
+      else:
+        sc = {k: v for k, v in sc.items() if not k.startswith("llama_")
+              and not k.endswith(("_mix3", "_conc8"))}
+      scen |= sc
+      out["stored_mb"][name] = _gguf_tensor_mb(g)
+      out["variant_mb"][name] = _dir_mb(vdirs[0])
+      out["variants"][name] = len(vs)
+    print(f"{shape} group {[n for n, *_ in group]}", flush=True)
+    lsrv = _llama_servers(args, {n: built[f][0] for n, f, _, peers in group if peers})
     r = run_group(servers, llamas, scen, rounds=args.rounds, tokens=args.tokens, work=work,
-                  quick=args.quick, **_llama_servers(args, {f: built[f][0] for f in fmts}))
+                  quick=args.quick, **(lsrv if lsrv.get("llama_servers") else {}))
     for k in ("tokens_per_s", "median_s", "memory_mb", "server_start_s"):
       out[k] |= r.get(k, {})
-    out["llama_cpp"] = r.get("llama_cpp")
-  if shape == "7b" and "q4_0" in out["memory_mb"]:
+    out["llama_cpp"] = r.get("llama_cpp") or out.get("llama_cpp")
+  big = "q4_0_x14" if "q4_0_x14" in out["memory_mb"] else None
+  if big:
     total_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**20
-    n = out["variants"]["q4_0"]
-    per = out["variant_mb"]["q4_0"]
-    fixed = out["memory_mb"]["q4_0"]["peak"] - n * per
-    out["fit"] = {"machine_mb": total_mb, "served": n, "peak_mb": out["memory_mb"]["q4_0"]["peak"],
-                  "variant_mb": per, "fixed_mb": fixed, "fit": int((total_mb - fixed) // per)}
+    n, per = out["variants"][big], out["variant_mb"][big]
+    peak = out["memory_mb"][big]["peak"]
+    fixed = peak - n * per
+    out["fit"] = {"machine_mb": total_mb, "served": n, "peak_mb": peak, "variant_mb": per,
+                  "fixed_mb": fixed, "fit": int((total_mb - fixed) // per)}
   return out
 
 
