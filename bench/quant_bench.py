@@ -14,9 +14,10 @@ from the whole file, so sections can be run one at a time and each says when it 
   f32 checkpoint `zoo real-base` writes (the f32 path), and a second Q4_1 server run with XLA's
   concurrency-optimized CPU scheduler (the A/B of `engine.build.memory_scheduler`).
 * ``1b``, ``7b``: Llamas with random weights (`quant_models.SHAPES`: 1B-like, Llama-2-7B),
-  quantized to Q8_0 and Q4_0, with random 1-bit variants (speed and memory only). The 7B Q4_0
-  server holds 14 variants in 14 device slots; each 7B format runs in its own group (a 7B
-  server and llama.cpp on the same file both need the weights resident).
+  quantized to Q8_0 and Q4_0, with random 1-bit variants (speed and memory only). At 7B each
+  format runs in its own group with 3 variants beside llama.cpp, and a Q4_0 server holding 14
+  variants in 14 device slots runs alone (24 GB does not hold it beside llama.cpp's processes:
+  `section_shape`).
 
 In every group each scenario runs once per round, the order rotating (`harness.interleaved`,
 two warm-up calls first); tokens/s from the median wall time, ratios within one run. Scenarios:
