@@ -177,7 +177,8 @@ async def run_requests(url, jobs, concurrency, max_tokens):
       recs[i] = {"model": model, "ttft": ttft, "tokens": tokens, "text": "".join(text),
                  "latency": time.perf_counter() - t0}
 
-  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64)) as s:
+  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64),
+                                   timeout=aiohttp.ClientTimeout(total=3600)) as s:
     t0 = time.perf_counter()
     await asyncio.gather(*(one(s, i, m, p) for i, (m, p) in enumerate(jobs)))
     wall = time.perf_counter() - t0

@@ -98,5 +98,5 @@ def test_ratios_goals_and_report_from_a_result():
   assert goals["a variant's stream vs the base's, 7B Q4_0"].endswith("| 0.67 | no |")
   assert goals["one stream, 1B Q4_0 vs llama.cpp"].endswith("| - | - |")  # not run
   assert "14 served, peak 15.6 GiB | yes |" in md
-  assert "**24 variants**" in md
+  assert "**24 device slots**" in md
   assert "| q4_0 | 16000 | 15000 | 3600 | 4.44 |" in md
