@@ -389,6 +389,11 @@ REASONS = [
   "7B. **1B misses** (0.71x / 0.73x): not profiled this run; the likely cause is the per-step "
   "fixed cost (the Python scheduler, sampling, a step's dispatch), which weighs more against a "
   "50-90 ms step than against a 350-500 ms one.",
+  "- **SmolLM2 one stream misses** (Q4_1 0.56x, Q8_0 0.45x; its variants 0.90-0.92x, met; at "
+  "8 concurrent 1.01x / 0.79x of llama-server): at 135M a ~17 ms step is mostly per-step fixed "
+  "cost, as at 1B. The A/B of XLA's CPU scheduler: the memory-minimizing one this project sets "
+  "(`engine.build.memory_scheduler`) decodes at **0.91x** the concurrency-optimized default's "
+  "speed (q4_1 vs q4_1_cosched): the memory fix costs ~9% of one SmolLM2 stream.",
   "- **8 concurrent streams miss badly** (1B 0.48-0.51x, 7B 0.34-0.43x of `llama-server -np 8`): "
   "at 8 rows our kernel keeps f32 activations and widens every weight per 16-row pass "
   "(compute-bound: 8 FMAs a weight), where llama.cpp multiplies int8 activations with "
