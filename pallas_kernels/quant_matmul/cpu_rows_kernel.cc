@@ -573,20 +573,9 @@ void Delta512(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, 
                 _mm512_loadu_ps(y + n)));
         }
       }
-      for (int64_t n = n16; n < n1; ++n)  // the columns past the last 16: bit by bit
-        for (int i = 0; i < nr; ++i) {
-          const float* x = p.x + rows[i] * K;
-          float d = 0.f;
-          for (int64_t gk = k0, b = 0; gk < k1; gk += G)
-            for (int64_t pp = 0; pp < P; ++pp, ++b)
-              for (int j = 0; j < 8; ++j) {
-                const int64_t k = gk + j * P + pp;
-                if (k < k1 && (bits[b * N + n] >> j) & 1) d += 2.f * x[k];
-              }
-          acc[rows[i] * N + n] += al[n] * (d - total[i]);
-        }
     }
   }
+  if (n16 < n1) DeltaScalar(a, p, acc, k0, k1, n16, n1);  // the columns past the last 16
 }
 #endif
 
