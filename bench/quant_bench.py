@@ -430,8 +430,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
   if not vals:
     return
   fig, ax = plt.subplots(figsize=(8, 0.32 * len(vals) + 1.2))
-  ax.barh(range(len(vals)), vals, color=["tab:orange" if "llama" in l else "tab:blue"
-                                          for l in labels])
+  ax.barh(range(len(vals)), vals, color=["tab:orange" if "llama" in label else "tab:blue"
+                                          for label in labels])
   ax.set_yticks(range(len(vals)), labels, fontsize=7)
   ax.axvline(1.0, color="k", lw=0.8)
   ax.invert_yaxis()

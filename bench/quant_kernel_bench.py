@@ -103,14 +103,14 @@ def avx2_ab(rows: tuple[int, ...], shapes, rounds: int) -> list[dict]:
     rng = np.random.default_rng(0)
     g = group_k_for(k)
     w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    qks = {fmt: jax.tree.map(jnp.asarray, blocks.quantize(w, fmt)) for fmt in FORMATS}
     for m in rows:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-      for fmt in FORMATS:
-        qk = jax.tree.map(jnp.asarray, blocks.quantize(w, fmt))
+      for fmt, qk in qks.items():
         fns = {}
         for name, t in targets.items():
-          f = jax.jit(lambda x, q, t=t: cpu_rows.rows_call(x, q, group_k=g, activations="f32",
-                                                           target=t))
+          f = jax.jit(lambda x, q, t=t, g=g: cpu_rows.rows_call(x, q, group_k=g,
+                                                                activations="f32", target=t))
           fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
         med = harness.interleaved(fns, rounds, min_rounds=rounds).medians()
         res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],

@@ -44,11 +44,11 @@ def write_random_variant(base, out: pathlib.Path, seed: int, alpha: float = 1e-3
   import numpy as np
 
   from bitdelta_jax.delta.compress import CompressPolicy
+  from bitdelta_jax.delta.entries import Dense
   from bitdelta_jax.delta.format import PackedDelta, group_k_for
   from bitdelta_jax.delta.report import Report, TensorReport
   from bitdelta_jax.delta.store import DeltaWriter
   from bitdelta_jax.delta.stream import fingerprint_checkpoint
-  from bitdelta_jax.delta.entries import Dense
   from bitdelta_jax.hf.gguf_checkpoint import resolve_base
   from bitdelta_jax.hf.safetensors_io import CheckpointReader
 

@@ -22,19 +22,17 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
   from bitdelta_jax.hf.gguf_export import write_gguf
-
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "hf"))
-  from test_gguf_quantized import make_byte_tokenizer
+  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
 
   d = tmp_path_factory.mktemp("tiny_llama_rand")
   make_hf_model("llama", d, vocab_size=320, tie_word_embeddings=False)
-  make_byte_tokenizer(d)
+  write_tokenizer(d)  # the built-in family's byte-level BPE
   return {f: write_gguf(d, d.parent / f"tiny-{f}.gguf", dtype=f) for f in ("q4_0", "q8_0")}
 
 
 def test_random_variant_loads_against_its_base_only(ggufs, tmp_path):
-  from bitdelta_jax.delta.format import PackedDelta
   from bitdelta_jax.delta.entries import DeltaMismatchError
+  from bitdelta_jax.delta.format import PackedDelta
   from bitdelta_jax.delta.store import load_delta
   from bitdelta_jax.delta.stream import fingerprint_checkpoint
   from bitdelta_jax.hf.gguf_checkpoint import resolve_base
