@@ -19,9 +19,10 @@
   `ResidualEntry` (a `PackedDelta` plus a `LoraEntry`) → both banks of the layer.
 * A tensor the delta omits is the base; a name the model lacks is an error.
 
-All bank rows of a slot are written by one jitted, buffer-donating update whose slot index is
-traced (`prepare_variant` on the host, then `write_variant`): one compile per model, none per slot, and the model's own jitted
-functions see arrays of unchanged shape and dtype, so they never retrace. Because the old bank
+A slot's bank rows are written by jitted, buffer-donating updates, one per bank, whose slot
+index is traced (`prepare_variant` on the host, then `write_variant`): one compile per bank
+shape, none per slot, and the model's own jitted functions see arrays of unchanged shape and
+dtype, so they never retrace. Because the old bank
 buffers are donated, re-read ``nnx.state(model)`` after loading (`Generator` does this).
 Mutation is in place on the NNX module (the NNX idiom); ``nnx.state(model, SlotBank)`` gives
 the functional view.
@@ -258,13 +259,14 @@ def _dense_of(pd: PackedDelta) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class PreparedVariant:
-  """A variant converted on the host to one row per bank variable (order of `bank_vars`).
+  """A variant converted on the host to one row per bank variable (order of `bank_vars`; None:
+  the row is zero, written on the device without a host array).
 
   Building it is the slow, host-only part of a load (no device work): a server can run it on
   an IO thread and hand the result to the device thread, which `write_variant`s it.
   """
 
-  rows: tuple[np.ndarray, ...]
+  rows: tuple[np.ndarray | None, ...]
   nbytes: int
 
 
@@ -293,27 +295,32 @@ def prepare_variant(model, delta: Mapping[str, Any]) -> PreparedVariant:
         by_var[id(var)] = rows[i]
   out = []
   for var in bank_vars(model):
-    shape, dtype = var[...].shape[1:], var[...].dtype
     row = by_var.get(id(var))
-    out.append(np.zeros(shape, dtype) if row is None else np.asarray(row, dtype))
-  return PreparedVariant(tuple(out), sum(r.nbytes for r in out))
+    out.append(None if row is None else np.asarray(row, var[...].dtype))
+  return PreparedVariant(tuple(out), sum(r.nbytes for r in out if r is not None))
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _set_rows(banks: tuple, slot: jax.Array, rows: tuple) -> tuple:
-  return tuple(jax.lax.dynamic_update_index_in_dim(b, r.astype(b.dtype), slot, 0)
-               for b, r in zip(banks, rows))
+def _set_row(bank: jax.Array, slot: jax.Array, row: jax.Array | None) -> jax.Array:
+  row = jnp.zeros(bank.shape[1:], bank.dtype) if row is None else row.astype(bank.dtype)
+  return jax.lax.dynamic_update_index_in_dim(bank, row, slot, 0)
 
 
 def write_variant(model, slot: int, prepared: PreparedVariant) -> None:
-  """Writes prepared rows into ``slot`` of every bank with one jitted, donating update."""
+  """Writes prepared rows into ``slot`` of every bank, one jitted, donating update per bank.
+
+  One bank at a time: the host-to-device copy of a row lives only for its own update (a whole
+  slot copied at once was a transient of the slot's size: 772 MiB for a 7B-shaped variant)."""
   _check_slot(model, slot)
   variables = bank_vars(model)
   if len(variables) != len(prepared.rows):
     raise ValueError("prepared variant does not match this model's banks")
-  new = _set_rows(tuple(v[...] for v in variables), jnp.int32(slot), prepared.rows)
-  for var, value in zip(variables, new):
-    var.set_value(value)
+  for var, row in zip(variables, prepared.rows):
+    if row is not None and row.shape != var[...].shape[1:]:
+      raise ValueError(f"prepared row {row.shape} does not fit a bank of {var[...].shape}")
+  s = jnp.int32(slot)
+  for var, row in zip(variables, prepared.rows):
+    var.set_value(_set_row(var[...], s, row))
 
 
 def load_variant(model, slot: int, delta: Mapping[str, Any]) -> None:

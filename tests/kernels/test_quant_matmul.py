@@ -238,16 +238,29 @@ def test_api_takes_the_kernel_and_names_fallbacks(monkeypatch):
   assert api.fallback_reasons(xj, qj) == {"cpu_rows": None, "reference": None}
   y = jax.jit(lambda x, q: api.quant_matmul(x, q, bits[1], scale[1], group_k=g))(xj, qj)
   _check(y, *_want64(x, qk, bits, scale, np.ones(2, np.int64), g))
-  big = jnp.zeros((cpu_rows.MAX_ROWS + 1, 96), jnp.float32)
-  assert "rows" in api.fallback_reasons(big, qj)["cpu_rows"]
+  empty = jnp.zeros((0, 96), jnp.float32)
+  assert "rows" in api.fallback_reasons(empty, qj)["cpu_rows"]
   with pytest.raises(RuntimeError, match="cannot run"):
-    api.quant_matmul(big, qj, group_k=g, implementation="cpu_rows")
+    api.quant_matmul(empty, qj, group_k=g, implementation="cpu_rows")
   monkeypatch.setenv("BITDELTA_QUANT_ROWS", "0")
   assert "BITDELTA_QUANT_ROWS=0" in api.fallback_reasons(xj, qj)["cpu_rows"]
   with pytest.raises(RuntimeError, match="BITDELTA_QUANT_ROWS"):
     api.quant_matmul(xj, qj, group_k=g, implementation="cpu_rows")
   ref = api.quant_matmul(xj, qj, bits[1], scale[1], group_k=g)  # falls back to the reference
   _check(ref, *_want64(x, qk, bits, scale, np.ones(2, np.int64), g))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_prefill_sizes_past_512_rows_take_the_kernel(fmt):
+  """A step of more than 512 rows (a 512-token prefill chunk beside decode rows) runs the
+  kernel, not the reference's dequantized GEMM: same numbers as numpy, every slot layout."""
+  g, qk, x, bits, scale = _case(fmt, 530, 96, 40, 3, seed=5)
+  qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
+  slots = np.random.default_rng(1).integers(0, 3, 530).astype(np.int32)
+  assert api.fallback_reasons(xj, qj)["cpu_rows"] is None
+  y = api.quant_matmul(xj, qj, bits, scale, jnp.asarray(slots), group_k=g)
+  _check(y, *_want64(x, qk, bits, scale, slots, g))
 
 
 def test_shapes_supported_names_the_reason():
