@@ -25,7 +25,7 @@ import subprocess
 import sys
 
 import pytest
-from model_fixtures import hf_greedy
+from model_fixtures import hf_greedy, make_bpe_tokenizer, make_hf_model
 
 pytestmark = pytest.mark.slow
 
@@ -123,6 +123,22 @@ def test_bf16_programs_load_too(llama, tmp_path):
   assert warm["loaded"] == warm["programs"] == cold["programs"] > 0
   assert warm["probe_failures"] == 0 and warm["tokens"] == cold["tokens"]
 
+
+
+def test_gguf_programs_load_too(tmp_path):
+  """A GGUF base's steps call the quantized-block kernel, whose FFI target was not registered
+  before loading until issue 36's memory work: every warm start of a GGUF server ignored every
+  step file ("No FFI handler registered for bitdelta_quant_rows") and recompiled."""
+  from bitdelta_jax.hf.gguf_export import write_gguf
+
+  make_hf_model("llama", tmp_path / "hf", vocab_size=320)
+  make_bpe_tokenizer(tmp_path / "hf")
+  path = write_gguf(tmp_path / "hf", tmp_path / "base.Q4_1.gguf", dtype="q4_1")
+  cold = start(path, tmp_path, "normal")
+  assert cold["loaded"] == 0 and cold["programs"] == len(step_files(tmp_path)) > 0
+  warm = start(path, tmp_path, "normal")
+  assert warm["loaded"] == warm["programs"] == cold["programs"]
+  assert warm["probe_failures"] == 0 and warm["tokens"] == cold["tokens"]
 
 def test_programs_from_jaxs_cache_in_the_step_cache_are_found_and_recompiled_at_start(
     llama, tmp_path):
