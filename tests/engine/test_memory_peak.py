@@ -62,7 +62,8 @@ cfg = with_gguf_base(ServerConfig(base=base, dtype=dtype, device_slots=2, max_ba
 gen = build_generator(cfg, Banks())
 r = gen.runners[0]
 # the warm-up's path (compile, then run once on padding) for the smallest and the largest
-# program (544 rows: past 512, a GGUF layer takes the GEMM over its dequantized blocks)
+# program (544 rows: a GGUF layer took the GEMM over its dequantized blocks there until the
+# block kernel took any number of rows)
 for n in (1, r.shapes.buckets()[-1]):
   r._compiled[(n, False)] = r._compile(n, False)
   r._probe(n, False)
@@ -139,9 +140,10 @@ def test_peak_rss_stays_within_resident_bytes(bases, fmt):
   mb = {k: round(v / 2**20) for k, v in r.items() if k not in ("lazy", "tokens")}
   # the model is really there (not a zero-page illusion): the resident bytes are mostly weights
   assert r["params"] > 0.4 * r["resident"], mb
-  # XLA schedules each layer's weight-only temporaries (dequantized blocks, widened weights)
-  # when the layer runs: the largest step's temporaries stay below the f32 size of every linear
-  # weight, which the concurrency-optimized CPU scheduler kept alive at once (build.py)
+  # XLA schedules each layer's weight-only temporaries (widened weights) when the layer runs
+  # (bf16: the memory-minimizing scheduler); a GGUF base has none (the block kernel at every
+  # row count; XLA's default scheduler): the largest step's temporaries stay below the f32 size
+  # of every linear weight, which the concurrency-optimized scheduler once kept alive at once
   d, f, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
   kv = d // SHAPE["num_attention_heads"] * SHAPE["num_key_value_heads"]
   linear_f32 = 4 * (SHAPE["num_hidden_layers"] * (2 * d * d + 2 * d * kv + 3 * d * f) + v * d)
