@@ -21,6 +21,10 @@ f32 product). The f32-base rows (fine-tune, per-column +distill over the f32 bas
 from ``fidelity_real.json`` when present (same prompts, same recipe), else computed here.
 
     python bench/fidelity_quant_bench.py [--variants smol-math ...] [--formats q8_0 q4_0]
+
+Variants an earlier run measured (in ``--out``'s fidelity_quant.json) and this one does not are
+kept, each with the commit it was measured at: one variant takes ~40 min on 2 cores, so the
+four are run one or two at a time.
 """
 
 from __future__ import annotations
@@ -131,6 +135,10 @@ def write_md(out: Path, result: dict) -> None:
        "answer token; KL(fine-tune ‖ model) per answer token. Deltas are taken against the "
        "quantized weights (Δ = W_ft − dequant(W_q)) and served over them; `+distill`: scales "
        f"distilled against the quantized base ({result['distill_steps']} steps).", "",
+       "Measured per variant: " + ", ".join(
+         f"{n} at {v.get('commit', result['commit'])}" + (f" ({v['run_at']})" if v.get("run_at")
+                                                          else "")
+         for n, v in result["variants"].items()) + ".", "",
        "| variant | base format | method | score | Δ vs FT | NLL | KL |",
        "|---|---|---|---:|---:|---:|---:|"]
   for name, v in result["variants"].items():
@@ -142,6 +150,7 @@ def write_md(out: Path, result: dict) -> None:
           L.append(f"| {name} | {fmt} | {label} | {r['score']:.1f} | {r['score'] - ft:+.1f} | "
                    f"{r['nll']:.3f} | {kl} |")
   L += ["", "## Goals (issue 36, item 6)", ""] + [f"- {g}" for g in result["goals"]]
+  L += result.get("notes", [])
   (out / "fidelity_quant.md").write_text("\n".join(L) + "\n")
 
 
@@ -190,7 +199,15 @@ def main() -> None:
         v["formats"][fmt], v["seconds"][fmt] = r["rows"], r["seconds"]
         (Path(tempfile.gettempdir()) / f"fidelity_quant_{name}.json").write_text(
           json.dumps(v, indent=1, default=float))
+      v["commit"], v["run_at"] = commit, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
       result["variants"][name] = v
+  if (out / "fidelity_quant.json").exists():  # variants measured by earlier runs stay
+    earlier = json.loads((out / "fidelity_quant.json").read_text())
+    result["notes"] = earlier.get("notes", [])
+    for name, v in earlier.get("variants", {}).items():
+      if name not in result["variants"]:
+        v.setdefault("commit", earlier.get("commit"))
+        result["variants"][name] = v
   goals = []
   for name, v in result["variants"].items():
     ft = v["f32"]["fine-tune"]["score"]
