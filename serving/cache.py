@@ -12,7 +12,8 @@
 * **Disk**: the registered delta directory.
 
 Single flight: one load task per variant; every request for it awaits that task (shielded,
-so a client that goes away does not cancel the load). Disk reads run in the IO thread pool,
+so a client that goes away does not cancel the load). A load claims its device slot before it
+reads (one waiting for a slot holds no delta in memory); disk reads run in the IO thread pool,
 the slot write runs on the device thread between decode steps; the event loop only does
 bookkeeping, so requests for resident variants never wait on a load. A failed load fails the
 requests waiting for it with `LoadError`; requests within ``load_retry_s`` fail fast with the
@@ -144,14 +145,17 @@ class DeltaCache:
         m.cache_hits.labels(v.name, "host").inc()
         source, delta = "host", cached[1]
         self._host_touch(v.name)
+        claimed = await self._claim_slot(v)
       else:
         m.cache_misses.labels(v.name, "host").inc()
         m.cache_hits.labels(v.name, "disk").inc()
         source = "disk"
+        # the slot first, then the read: a variant waiting for a slot holds no delta in memory
+        # (read first, 14 loads behind 8 busy slots held 6 deltas of 772 MiB at once at 7B)
+        claimed = await self._claim_slot(v)
         delta = await loop.run_in_executor(self._io, self._read_delta, v)
         if not v.deleting:
           self._host_put(v, delta)
-      claimed = await self._claim_slot(v)
       await asyncio.wrap_future(self._write_slot(claimed, delta))
       v.slot = claimed
       claimed = None

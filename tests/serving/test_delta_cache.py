@@ -232,3 +232,28 @@ def test_drop_frees_slot_and_host():
     assert cache.slots == [None] and cache.host_used == 0 and reg.get("a") is None
 
   asyncio.run(main())
+
+
+def test_a_load_waiting_for_a_slot_reads_nothing_until_it_has_one():
+  """The slot is claimed before the disk read: loads queued behind held slots hold no deltas in
+  memory (at 7B each is 772 MiB; read first, 6 loads waiting for 8 busy slots held 4.6 GB)."""
+  cache, reg, fake = make({"a": 10, "b": 10, "c": 10}, slots=1)
+
+  async def main():
+    a, b, c = reg.get("a"), reg.get("b"), reg.get("c")
+    assert await cache.acquire(a) == a.slot
+    waiting = [asyncio.ensure_future(cache.acquire(v)) for v in (b, c)]
+    await asyncio.sleep(0.1)
+    assert not any(t.done() for t in waiting)
+    assert set(fake.reads) == {"a"}  # b and c wait for the slot without reading
+    cache.release(a)
+    done, _ = await asyncio.wait(waiting, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+    done = done.pop()
+    assert len(fake.reads) == 2  # the one that got the slot read its delta, the other did not
+    held = b if done is waiting[0] else c
+    cache.release(held)
+    await asyncio.wait_for(asyncio.gather(*waiting), 5)
+    assert fake.reads == {"a": 1, "b": 1, "c": 1}
+    check_invariants(cache)
+
+  asyncio.run(main())
