@@ -193,6 +193,12 @@ def child(case: dict) -> dict:
     for i, model in enumerate(names[:1] + [cfg.model_id]):
       await loop.run_in_executor(None, ask, model)
       rec.mark(f"request {i + 1} ({'variant' if model in names else 'base'})")
+    if case.get("all_at_once"):  # one request per variant, all at once (loads queue for slots)
+      import concurrent.futures
+
+      with concurrent.futures.ThreadPoolExecutor(len(names)) as ex:
+        await asyncio.gather(*(loop.run_in_executor(ex, ask, n) for n in names))
+      rec.mark(f"{len(names)} variants served at once ({cfg.device_slots} device slots)")
     gen = server.engine.gen
     res = resident_bytes(gen.runners[0])
     res["runners"] = len(gen.runners)
@@ -342,12 +348,26 @@ def cases(work: pathlib.Path) -> dict[str, callable]:
     return {"name": "7b-bf16", "base": str(d), "variants": {"v": str(v)},
             "server": {"dtype": "bfloat16", "device_slots": 2}}
 
+  def seven_b_x14(name, slots):
+    # 14 random variants over the 7B-shaped Q4_0 base, all requested at once: the bench's
+    # "14 variants served on this machine" (quant_bench's q4_0_x14 options)
+    def make():
+      import quant_models
+
+      g, vs = quant_models.make("7b", ["q4_0"], 14)["q4_0"]
+      return {"name": name, "base": str(g), "variants": {f"v{i}": str(d) for i, d in enumerate(vs)},
+              "all_at_once": True,
+              "server": {"device_slots": slots, "host_cache_mb": 512, "prefill_chunk": 64,
+                         "max_seq_len": 256, "kv_cache_mb": 1024}}
+    return make
+
   return {"smollm2-q4_1": smollm2("smollm2-q4_1", "gguf"),
           "smollm2-f32": smollm2("smollm2-f32", "f32"),
           "1b-bf16": one_b("1b-bf16", "bf16", {"dtype": "bfloat16"}),
           "1b-q4_0": one_b("1b-q4_0", "q4_0"), "1b-q8_0": one_b("1b-q8_0", "q8_0"),
           "7b-q4_0": seven_b("7b-q4_0", "q4_0"), "7b-q8_0": seven_b("7b-q8_0", "q8_0"),
-          "7b-bf16": seven_b_bf16}
+          "7b-bf16": seven_b_bf16, "7b-q4_0-x14-8slots": seven_b_x14("7b-q4_0-x14-8slots", 8),
+          "7b-q4_0-x14-14slots": seven_b_x14("7b-q4_0-x14-14slots", 14)}
 
 
 def stored_mb(base: str) -> float:

@@ -257,3 +257,36 @@ def test_a_load_waiting_for_a_slot_reads_nothing_until_it_has_one():
     check_invariants(cache)
 
   asyncio.run(main())
+
+
+def test_at_most_io_threads_deltas_are_between_disk_and_slot():
+  """Loads into free slots read their deltas only as earlier ones are written: 14 loads into
+  14 free slots read 14 deltas (10.8 GB at 7B) faster than the device thread wrote them."""
+  cache, reg, fake = make({f"v{i}": 10 for i in range(4)}, slots=4)
+  pending: list[concurrent.futures.Future] = []
+
+  def slow_write(slot, delta):  # the device thread's writes, completed by the test
+    f = concurrent.futures.Future()
+    pending.append(f)
+    return f
+
+  cache._write_slot = slow_write
+
+  async def main():
+    vs = [reg.get(f"v{i}") for i in range(4)]
+    tasks = [asyncio.ensure_future(cache.acquire(v)) for v in vs]
+    await asyncio.sleep(0.1)
+    assert len(fake.reads) == cache.cfg.io_threads == 2 and len(pending) == 2
+    pending[0].set_result(None)  # one written: one more read starts
+    await asyncio.sleep(0.1)
+    assert len(fake.reads) == 3
+    for _ in range(3):
+      await asyncio.sleep(0.05)
+      for f in pending:
+        if not f.done():
+          f.set_result(None)
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert len(fake.reads) == 4
+    check_invariants(cache)
+
+  asyncio.run(main())
