@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from bitdelta_jax.engine import heap
 from serving.config import ServerConfig
 from serving.metrics import Metrics
 from serving.registry import Variant
@@ -164,6 +165,10 @@ class DeltaCache:
           if not v.deleting:
             self._host_put(v, delta)
           await asyncio.wrap_future(self._write_slot(claimed, delta))
+          # written: unless the host tier keeps it, the read's buffers (a few MB per tensor,
+          # freed into the IO thread's malloc arena) go back to the OS
+          del delta
+          await loop.run_in_executor(self._io, heap.trim)
       v.slot = claimed
       claimed = None
       dt = time.perf_counter() - t0

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bitdelta_jax.engine import step_cache
+from bitdelta_jax.engine import heap, step_cache
 from bitdelta_jax.engine.batch import PagedBatch, StepOutput, StepShapes
 from bitdelta_jax.engine.controls import LogitControls, logprobs_of
 from bitdelta_jax.engine.mesh_layout import MeshLayout
@@ -144,19 +144,7 @@ def release_free_heap(clear_jax_caches: bool = False) -> None:
   trace and compile again on their next call."""
   if clear_jax_caches:
     jax.clear_caches()
-  global _malloc_trim
-  if _malloc_trim is None:
-    try:
-      import ctypes
-
-      _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-      _malloc_trim = False
-  if _malloc_trim:
-    _malloc_trim(0)
-
-
-_malloc_trim = None
+  heap.trim()
 
 
 class CompileAfterWarmup(RuntimeError):
