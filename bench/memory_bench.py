@@ -357,8 +357,7 @@ def cases(work: pathlib.Path) -> dict[str, callable]:
       g, vs = quant_models.make("7b", ["q4_0"], 14)["q4_0"]
       return {"name": name, "base": str(g), "variants": {f"v{i}": str(d) for i, d in enumerate(vs)},
               "all_at_once": True,
-              "server": {"device_slots": slots, "host_cache_mb": 512, "prefill_chunk": 64,
-                         "max_seq_len": 256, "kv_cache_mb": 1024}}
+              "server": {"device_slots": slots, **quant_models.seven_b_server(len(vs))}}
     return make
 
   return {"smollm2-q4_1": smollm2("smollm2-q4_1", "gguf"),

@@ -254,7 +254,7 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
   variants): Q4_0 with 3 variants and its peers; then the Q4_0 server with 14 variants in 14
   device slots alone (``q4_0_x14``: base, one variant, all 14 at once; its peak RSS is the
   capacity row); then Q8_0 with 3 variants and its peers."""
-  from quant_models import make
+  from quant_models import make, seven_b_server
 
   n_var = {"1b": {"q8_0": 3, "q4_0": 3}, "7b": {"q8_0": 3, "q4_0": 14}}[shape]
   if args.quick:
@@ -271,13 +271,10 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
     for name, fmt, nv, peers in group:
       g, vdirs = built[fmt]
       vs = {f"v{i}": str(d) for i, d in enumerate(vdirs[:nv])}
-      # 7B: prompt chunks of 64 tokens (the warm-up runs every step program once; 544-token
-      # steps of a 7B take minutes on 2 cores), deltas not kept twice (slots + host cache),
-      # sequences of 256 tokens (a 7B's f32 KV: 1 MiB a token)
       extra = ()
-      if shape == "7b":
-        extra = ("--host-cache-mb", "512", "--prefill-chunk", "64", "--max-seq-len", "256",
-                 "--kv-cache-mb", "1024" if nv > 3 else "512")
+      if shape == "7b":  # quant_models.SEVEN_B_SERVER as CLI flags
+        extra = tuple(a for k, v in seven_b_server(nv).items()
+                      for a in (f"--{k.replace('_', '-')}", str(v)))
       # 14 variants in 8 device slots (14 slots stalled at the third load: 14 x 778 MiB of
       # banks + the base + KV left no room for a load's buffers in 24 GB); the other 6 wait
       # for a slot, loaded from disk (the tiered cache)

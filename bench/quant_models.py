@@ -36,6 +36,15 @@ SHAPES = {
              num_attention_heads=32, num_key_value_heads=32),
 }
 DEFAULT_WORK = pathlib.Path(tempfile.gettempdir()) / "bitdelta_quant_models"
+# server options for the 7B shape (quant_bench, memory_bench): prompt chunks of 64 tokens (the
+# warm-up runs every step program once; 544-token steps of a 7B take minutes on 2 cores),
+# deltas not kept twice (slots + host cache), sequences of 256 tokens (a 7B's f32 KV: 1 MiB a
+# token); with more than 3 variants a 1 GiB KV pool, else 512 MiB
+SEVEN_B_SERVER = {"host_cache_mb": 512, "prefill_chunk": 64, "max_seq_len": 256}
+
+
+def seven_b_server(n_variants: int) -> dict:
+  return SEVEN_B_SERVER | {"kv_cache_mb": 1024 if n_variants > 3 else 512}
 
 
 def write_random_variant(base, out: pathlib.Path, seed: int, alpha: float = 1e-3) -> pathlib.Path:

@@ -147,19 +147,18 @@ class DeltaCache:
     claimed: int | None = None
     try:
       cached = self.host.get(v.name)
-      if cached is not None:
-        m.cache_hits.labels(v.name, "host").inc()
-        source, delta = "host", cached[1]
-        self._host_touch(v.name)
-        claimed = await self._claim_slot(v)
-        await asyncio.wrap_future(self._write_slot(claimed, delta))
-      else:
+      source = "disk" if cached is None else "host"
+      if cached is None:
         m.cache_misses.labels(v.name, "host").inc()
-        m.cache_hits.labels(v.name, "disk").inc()
-        source = "disk"
-        # the slot first, then the read: a variant waiting for a slot holds no delta in memory
-        # (read first, 14 loads behind 8 busy slots held 6 deltas of 772 MiB at once at 7B)
-        claimed = await self._claim_slot(v)
+      else:
+        self._host_touch(v.name)
+      m.cache_hits.labels(v.name, source).inc()
+      # the slot first, then the read: a variant waiting for a slot holds no delta in memory
+      # (read first, 14 loads behind 8 busy slots held 6 deltas of 772 MiB at once at 7B)
+      claimed = await self._claim_slot(v)
+      if cached is not None:
+        await asyncio.wrap_future(self._write_slot(claimed, cached[1]))
+      else:
         async with self._in_flight:
           delta = await loop.run_in_executor(self._io, self._read_delta, v)
           if not v.deleting:

@@ -59,10 +59,12 @@ def blocks_only(base) -> bool:
     return False
   import json
 
+  from pallas_kernels.quant_matmul.blocks import FORMATS
+
   formats = json.loads((pathlib.Path(base) / GGUF_BASE_FILE).read_text()).get("formats") or {}
   linear = [f for name, f in formats.items()
             if ".layers." in name and name.endswith("proj.weight")]
-  return bool(linear) and all(f in ("q8_0", "q4_0", "q4_1") for f in linear)
+  return bool(linear) and all(f in FORMATS for f in linear)
 
 
 def memory_scheduler() -> bool:
