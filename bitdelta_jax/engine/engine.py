@@ -331,14 +331,16 @@ class Engine:
                   f"{self.last_step_error}); the server stops so that it can be restarted")
     log.critical("%s", self.fatal)
     self.alive = False  # new requests get a 503 from now on
-    for r in failed + list(self._live):  # a 503: retry on another replica
-      self._emit(r, Event("error", message=self.fatal, code="engine_failed"))
-    self._refuse_queued()
+    # on_fatal first: it and the events below are queued onto the event loop in order, so a
+    # client that reads its 503 finds the server already stopping (engine_failed set)
     if self.on_fatal is not None:
       try:
         self.on_fatal(self.fatal)
       except Exception:  # noqa: BLE001
         log.exception("on_fatal failed")
+    for r in failed + list(self._live):  # a 503: retry on another replica
+      self._emit(r, Event("error", message=self.fatal, code="engine_failed"))
+    self._refuse_queued()
     return False
 
   def _refuse_queued(self) -> None:
