@@ -121,6 +121,50 @@ def avx2_ab(rows: tuple[int, ...], shapes, rounds: int) -> list[dict]:
   return res
 
 
+def vnni_ab(rows: tuple[int, ...], shapes, rounds: int) -> list[dict]:
+  """int8 activations: this machine's build (AVX-512 VNNI + VBMI: the vpdpbusd tiles) against
+  the kernel built with ``-mno-avx512vnni`` (the AVX2 vpmaddubsw / vpmaddwd tiles), and both
+  against f32 activations (the default) and XLA's f32 GEMV / GEMM on the same weights, per
+  format: candidates on the same arrays, interleaved."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.bits import group_k_for
+  from pallas_kernels.quant_matmul import blocks, cpu_rows
+
+  novnni = "bitdelta_quant_rows_novnni"
+  cpu_rows.build_target(("-march=native", "-mno-avx512vnni"), novnni)
+  cands = {"int8_vnni": ("int8", cpu_rows._TARGET), "int8_avx2": ("int8", novnni),
+           "f32": ("f32", cpu_rows._TARGET)}
+  res = []
+  for k, n in shapes:
+    rng = np.random.default_rng(0)
+    g = group_k_for(k)
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    wj = jnp.asarray(w)
+    qks = {fmt: jax.tree.map(jnp.asarray, blocks.quantize(w, fmt)) for fmt in FORMATS}
+    gemv = jax.jit(lambda x, w: x @ w)
+    for m in rows:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      for fmt, qk in qks.items():
+        fns = {}
+        for name, (act, t) in cands.items():
+          f = jax.jit(lambda x, q, t=t, g=g, act=act: cpu_rows.rows_call(
+            x, q, group_k=g, activations=act, target=t))
+          fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
+        fns["xla_f32"] = lambda x=x: gemv(x, wj)
+        med = harness.interleaved(fns, rounds, min_rounds=rounds).medians()
+        res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],
+                    **{f"{c}_us": 1e6 * v for c, v in med.items()},
+                    "gbps_int8_vnni": qk.nbytes / med["int8_vnni"] / 1e9,
+                    "gbps_xla_f32": wj.nbytes / med["xla_f32"] / 1e9,
+                    "vnni_vs_avx2": med["int8_vnni"] / med["int8_avx2"],
+                    "vnni_vs_f32": med["int8_vnni"] / med["f32"]})
+        print(res[-1], flush=True)
+  return res
+
+
 def run(rows: tuple[int, ...], shapes: tuple[tuple[int, int], ...], rounds: int,
         bf16: bool = False) -> list[dict]:
   res = []
@@ -246,6 +290,38 @@ def logit_error() -> dict:
   return summary
 
 
+def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
+  shapes = ((256, 200),) if quick else ((576, 1536), (1536, 576), (2048, 8192), (4096, 4096),
+                                        (4096, 11008), (11008, 4096))
+  res = vnni_ab(rows, shapes, 3 if quick else max(rounds, 31))
+  if quick:
+    return
+  lines = [
+    "# int8 activations: AVX-512 VNNI tiles vs AVX2 int8 tiles vs f32 activations",
+    "",
+    f"`python bench/quant_kernel_bench.py --vnni --rows {' '.join(map(str, rows))}`: per shape "
+    f"and format, four candidates on the same arrays, interleaved ({max(rounds, 31)} rounds), "
+    "medians. `int8_vnni`: this build's int8-activation path (vpdpbusd on byte-permuted "
+    "quads); `int8_avx2`: the same kernel built with `-mno-avx512vnni` (vpmaddubsw / vpmaddwd "
+    "tiles, the int8 path before); `f32`: f32 activations (the default); `xla_f32`: XLA's "
+    "`x @ W` on the dense f32 matrix. GB/s: stored bytes read per second (blocks; f32 W for "
+    "XLA). No variant term (the delta is the same code in every candidate).",
+    "",
+    harness.machine_line({}),
+    "",
+    "| M | K x N | format | int8 VNNI (us) | int8 AVX2 (us) | f32 x (us) | XLA f32 (us) | "
+    "VNNI / AVX2 | VNNI / f32 x | VNNI GB/s | XLA GB/s | load |",
+    "|---|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in res:
+    lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | {r['format']} | {r['int8_vnni_us']:.0f} | "
+                 f"{r['int8_avx2_us']:.0f} | {r['f32_us']:.0f} | {r['xla_f32_us']:.0f} | "
+                 f"{r['vnni_vs_avx2']:.2f} | {r['vnni_vs_f32']:.2f} | {r['gbps_int8_vnni']:.1f} | "
+                 f"{r['gbps_xla_f32']:.1f} | {r['load']:.1f} |")
+  md = harness.write_results("quant_vnni", {"rows": res}, lines)
+  print(md.read_text())
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=15)
@@ -255,11 +331,17 @@ def main() -> None:
   ap.add_argument("--avx2", action="store_true",
                   help="also the kernel built without AVX-512 (f32 activations): the 16- vs "
                   "8-column tiles in one run")
+  ap.add_argument("--vnni", action="store_true",
+                  help="only int8 activations' VNNI tiles vs the AVX2 int8 tiles vs f32 "
+                  "activations (bench/results/quant_vnni.{json,md})")
   ap.add_argument("--logits", action="store_true",
                   help="only the real SmolLM2 Q4_1 model's logit error, int8 vs f32 activations")
   args = ap.parse_args()
   if args.logits:
     logit_error()
+    return
+  if args.vnni:
+    vnni_report(tuple(args.rows), args.rounds, args.quick)
     return
   if args.quick:
     run((1, 8, 20), ((256, 200),), 1, args.bf16)

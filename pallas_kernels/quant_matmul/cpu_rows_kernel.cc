@@ -53,6 +53,9 @@
 #include <immintrin.h>
 #if defined(__AVX512F__)
 #define QROWS_AVX512 1
+#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define QROWS_VNNI 1
+#endif
 #endif
 #endif
 
@@ -708,6 +711,177 @@ inline void TileQ4I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_
   }
 }
 
+#if QROWS_VNNI
+// int8 activations with AVX-512 VNNI: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones
+// per 32-bit lane and adds them into the lane, 64 multiply-adds an instruction (vpmaddubsw's
+// 32, without the int16 step). It wants 4 consecutive K rows of one column in a lane; the
+// blocks hold a column's K rows N bytes apart, so per quad of byte rows two byte permutes
+// (vpermt2b, AVX512-VBMI) turn 4 rows x 64 columns into 4 vectors of 16 columns x 4 rows, and
+// q4's nibbles split into 2 (K rows 4t..4t+3 and 16+4t..): 2 vpdpbusd per 16 columns per row
+// against the broadcast 4 int8s of x. q8_0's signed bytes are made unsigned (xor 0x80: q + 128)
+// and 128·Σq_x taken off. Integer sums are exact, so results equal the AVX2 int8 tiles' bit for
+// bit (the f32 step `StoreI8x16` is `StoreI8` lane for lane).
+
+// the 16-column f32 step: `StoreI8`'s operations on 16 lanes
+template <Format F>
+inline void StoreI8x16(const Args& a, const Pass& p, float* y, __m512i v, int64_t b, int64_t row,
+                       int64_t n) {
+  const int64_t i = row * a.nb + b;
+  const float dx = p.xd[i];
+  const int32_t qsum = p.xqs[i];
+  if constexpr (F == kQ4_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(8 * qsum));
+  if constexpr (F == kQ8_0) v = _mm512_sub_epi32(v, _mm512_set1_epi32(128 * qsum));
+  const __m512 dw = _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + b * a.N + n)));
+  __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(v),
+                               _mm512_loadu_ps(y));
+  if constexpr (F == kQ4_1) {
+    const __m512 mw = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + b * a.N + n)));
+    out = _mm512_fmadd_ps(mw, _mm512_set1_ps(dx * float(qsum)), out);
+  }
+  _mm512_storeu_ps(y, out);
+}
+
+// byte permutes of the quad transpose: kPair[h] takes columns 32h..32h+31 of two rows as
+// (row a, row b) byte pairs; kQuad[g] takes pairs 16g..16g+15 of two pair vectors as quads
+struct QuadIdx {
+  __m512i pair[2], quad[2];
+  QuadIdx() {
+    alignas(64) uint8_t t[4][64];
+    for (int h = 0; h < 2; ++h)
+      for (int c = 0; c < 32; ++c)
+        for (int i = 0; i < 2; ++i) t[h][2 * c + i] = uint8_t(i * 64 + 32 * h + c);
+    for (int g = 0; g < 2; ++g)
+      for (int c = 0; c < 16; ++c)
+        for (int i = 0; i < 4; ++i)
+          t[2 + g][4 * c + i] = uint8_t((i >> 1) * 64 + 32 * g + 2 * c + (i & 1));
+    for (int k = 0; k < 2; ++k) {
+      pair[k] = _mm512_load_si512(t[k]);
+      quad[k] = _mm512_load_si512(t[2 + k]);
+    }
+  }
+};
+
+// rows r..r+3 (N bytes apart from q) x 64 columns -> out[g]: columns 16g..16g+15, 4 rows a lane
+inline void Quads64(const uint8_t* q, int64_t N, const QuadIdx& ix, __m512i out[4]) {
+  const __m512i r0 = _mm512_loadu_si512(q), r1 = _mm512_loadu_si512(q + N);
+  const __m512i r2 = _mm512_loadu_si512(q + 2 * N), r3 = _mm512_loadu_si512(q + 3 * N);
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    const __m512i u = _mm512_permutex2var_epi8(r0, ix.pair[h], r1);
+    const __m512i v = _mm512_permutex2var_epi8(r2, ix.pair[h], r3);
+    out[2 * h] = _mm512_permutex2var_epi8(u, ix.quad[0], v);
+    out[2 * h + 1] = _mm512_permutex2var_epi8(u, ix.quad[1], v);
+  }
+}
+
+// 16 columns: the four 16-byte rows side by side, then one vpermb (kQuad16)
+inline __m512i Quads16(const uint8_t* q, int64_t N, const __m512i& idx) {
+  __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + N)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 2 * N)), 2);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 3 * N)), 3);
+  return _mm512_permutexvar_epi8(idx, v);
+}
+
+inline __m512i Quad16Idx() {
+  alignas(64) uint8_t t[64];
+  for (int c = 0; c < 16; ++c)
+    for (int i = 0; i < 4; ++i) t[4 * c + i] = uint8_t(16 * i + c);
+  return _mm512_load_si512(t);
+}
+
+// block b, columns n..n + 16·C (C = 4: 64, one cache line of each byte row; C = 1: 16), rows
+// row0..row0 + R: Σ q_x·q_w in int32 per (row, column), then the f32 step
+template <Format F, int R, int C>
+inline void TileVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0,
+                     int64_t n) {
+  static const QuadIdx ix;
+  static const __m512i idx16 = Quad16Idx();
+  const int64_t N = a.N, K = a.K;
+  __m512i s[R][C];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) s[i][c] = _mm512_setzero_si512();
+  const uint8_t* q = a.qs + b * a.qrows * N + n;
+  const int8_t* xb = p.xq + row0 * K + b * kBlock;
+  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(char(0x80));
+  constexpr int kQuads = F == kQ8_0 ? 8 : 4;
+#pragma GCC unroll 2
+  for (int t = 0; t < kQuads; ++t) {
+    __m512i w[C];
+    if constexpr (C == 4) Quads64(q + 4 * t * N, N, ix, w);
+    else w[0] = Quads16(q + 4 * t * N, N, idx16);
+    if constexpr (F == kQ8_0) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) w[c] = _mm512_xor_si512(w[c], flip);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xb + i * K + 4 * t, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) s[i][c] = _mm512_dpbusd_epi32(s[i][c], w[c], xv);
+      }
+    } else {
+      __m512i hi[C];
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        hi[c] = _mm512_and_si512(_mm512_srli_epi16(w[c], 4), m4);
+        w[c] = _mm512_and_si512(w[c], m4);
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        int32_t ql, qh;
+        std::memcpy(&ql, xb + i * K + 4 * t, 4);
+        std::memcpy(&qh, xb + i * K + 16 + 4 * t, 4);
+        const __m512i xl = _mm512_set1_epi32(ql), xh = _mm512_set1_epi32(qh);
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c)
+          s[i][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][c], w[c], xl), hi[c], xh);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c)
+      StoreI8x16<F>(a, p, acc + (row0 + i) * N + n + 16 * c, s[i][c], b, row0 + i, n + 16 * c);
+}
+
+// every row of block b over columns n..n + 16·C, in tiles of up to 4 rows
+template <Format F, int C>
+inline void RowsVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_t n) {
+  for (int64_t r = 0; r < p.M; r += 4) {
+    switch (std::min<int64_t>(4, p.M - r)) {
+      case 1: TileVnni<F, 1, C>(a, p, acc, b, r, n); break;
+      case 2: TileVnni<F, 2, C>(a, p, acc, b, r, n); break;
+      case 3: TileVnni<F, 3, C>(a, p, acc, b, r, n); break;
+      default: TileVnni<F, 4, C>(a, p, acc, b, r, n); break;
+    }
+  }
+}
+
+// int8 activations over blocks b0:b1, columns n0:n1 with the VNNI tiles (see `BaseI8`)
+template <Format F>
+void BaseVnni(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+              int64_t n1) {
+  const int64_t n64 = n0 + (n1 - n0) / 64 * 64, n16 = n0 + (n1 - n0) / 16 * 16;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b + 1 < b1)
+      for (int64_t j = 0; j < a.qrows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
+                     _MM_HINT_T0);
+    int64_t n = n0;
+    for (; n < n64; n += 64) RowsVnni<F, 4>(a, p, acc, b, n);
+    for (; n < n16; n += 16) RowsVnni<F, 1>(a, p, acc, b, n);
+  }
+  if (n16 < n1) BaseI8Scalar(a, p, acc, b0, b1, n16, n1);
+}
+#endif
+
 // columns n..n + 16·C of block b, every row (q8_0): one row 64 columns, more in tiles of 4 rows
 // x 16 columns (measured faster at 8 rows than 2 x 32)
 template <int C>
@@ -758,11 +932,19 @@ void BaseI8(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, in
 void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
              int64_t n1) {
   if (p.xq) {
+#if QROWS_VNNI
+    switch (a.fmt) {
+      case kQ8_0: BaseVnni<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+      case kQ4_0: BaseVnni<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+      default: BaseVnni<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+    }
+#else
     switch (a.fmt) {
       case kQ8_0: BaseI8<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
       case kQ4_0: BaseI8<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
       default: BaseI8<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
     }
+#endif
   } else {
     switch (a.fmt) {
       case kQ8_0: Base<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
