@@ -59,6 +59,10 @@ GOALS = [
   ("smollm2", "q8_0/llama_q8_0", 0.8, "one stream, SmolLM2 Q8_0 vs llama.cpp"),
   ("1b", "q8_0/llama_q8_0", 1.0, "one stream, 1B Q8_0 vs llama.cpp"),
   ("1b", "q4_0/llama_q4_0", 1.0, "one stream, 1B Q4_0 vs llama.cpp"),
+  ("smollm2", "q4_1_int8/llama_q4_1", 0.8,
+   "one stream, SmolLM2 Q4_1 with int8 activations (llama.cpp's arithmetic) vs llama.cpp"),
+  ("1b", "q4_0_int8/llama_q4_0", 1.0,
+   "one stream, 1B Q4_0 with int8 activations (llama.cpp's arithmetic) vs llama.cpp"),
   ("7b", "q8_0/llama_q8_0", 1.0, "one stream, 7B Q8_0 vs llama.cpp"),
   ("7b", "q4_0/llama_q4_0", 1.0, "one stream, 7B Q4_0 vs llama.cpp"),
   ("smollm2", "q8_0_variant/q8_0", 0.85, "a variant's stream vs the base's, SmolLM2 Q8_0"),
@@ -207,6 +211,22 @@ def _scenarios(server: str, fmt: str, variants: list[str], *, mix_all: bool = Fa
   return out
 
 
+# int8 activations (`cpu_rows.activations_for`): llama.cpp's arithmetic for Q4 blocks, opt-in
+INT8 = {"BITDELTA_QUANT_ACTIVATIONS": "int8"}
+
+
+def _int8_scenarios(server: str, variants: list[str]) -> dict:
+  return {server: (server, ["base"]), f"{server}_variant": (server, [variants[0]]),
+          f"{server}_conc8": (server, ["base"] * 8)}
+
+
+def _int8_ratios(fmt: str) -> list[tuple[str, str]]:
+  """The int8-activation server against llama.cpp (one stream, 8 concurrent) and against the
+  same base with f32 activations."""
+  return [(f"{fmt}_int8", f"llama_{fmt}"), (f"{fmt}_int8_conc8", f"llama_{fmt}_conc8"),
+          (f"{fmt}_int8", fmt), (f"{fmt}_int8_conc8", f"{fmt}_conc8")]
+
+
 # -- sections -------------------------------------------------------------------------------------
 def _llama_servers(args, files: dict) -> dict:
   if not args.llama_server or not files:
@@ -230,21 +250,20 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
                   "--format", "q8_0", "--out", str(q8), "--quiet"], check=True, cwd=ROOT)
   rand = {f"r{i}": str(write_random_variant(q8, work / f"smollm2-q8_0-v{i}", 100 + i))
           for i in range(3)}
-  memsched = {"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=false"}
   servers = {"q4_1": dict(base=q4, variants=real), "q8_0": dict(base=q8, variants=rand),
              "f32": dict(base=f32_dir, variants=real),
-             "q4_1_memsched": dict(base=q4, variants={}, env=memsched)}
+             "q4_1_int8": dict(base=q4, variants=real, env=INT8)}
   scen = {**_scenarios("q4_1", "q4_1", names), **_scenarios("q8_0", "q8_0", sorted(rand)),
           "f32": ("f32", ["base"]), "f32_variant": ("f32", [names[0]]),
-          "q4_1_memsched": ("q4_1_memsched", ["base"])}
+          **_int8_scenarios("q4_1_int8", names)}
   r = run_group(servers, {"llama_q4_1": q4, "llama_q8_0": q8}, scen, rounds=args.rounds,
                 tokens=args.tokens, work=work, quick=args.quick,
                 **_llama_servers(args, {"q4_1": q4, "q8_0": q8}))
   r["stored_mb"] = {"q4_1": _gguf_tensor_mb(q4), "q8_0": _gguf_tensor_mb(q8),
-                    "q4_1_memsched": _gguf_tensor_mb(q4),
+                    "q4_1_int8": _gguf_tensor_mb(q4),
                     "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
   r["variants"] = {"q4_1": names, "q8_0": "random (quant_models.write_random_variant)"}
-  r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), ("q4_1", "q4_1_memsched")]
+  r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), *_int8_ratios("q4_1")]
   return r
 
 
@@ -285,6 +304,11 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
       else:
         sc = {k: v for k, v in sc.items() if not k.startswith("llama_")
               and not k.endswith(("_mix3", "_conc8"))}
+      if shape == "1b" and fmt == "q4_0":  # the same base with int8 activations beside it
+        servers[f"{name}_int8"] = dict(base=g, variants=vs, slots=min(len(vs), 8), env=INT8)
+        sc |= _int8_scenarios(f"{name}_int8", list(vs))
+        out["stored_mb"][f"{name}_int8"] = _gguf_tensor_mb(g)
+        out.setdefault("extra_ratios", []).extend(_int8_ratios(name))
       scen |= sc
       out["stored_mb"][name] = _gguf_tensor_mb(g)
       out["variant_mb"][name] = _dir_mb(vdirs[0])
@@ -345,7 +369,12 @@ def render(res: dict) -> list[str]:
                   "(`engine.build.memory_scheduler`)." if "q4_1_cosched" in s["tokens_per_s"] else
                   "q4_1_memsched: the Q4_1 server with XLA's memory-minimizing CPU scheduler "
                   "(`engine.build.memory_scheduler`: what every base had until a GGUF base in "
-                  "blocks took XLA's default, `engine.build.blocks_only`).") +
+                  "blocks took XLA's default, `engine.build.blocks_only`)."
+                  if "q4_1_memsched" in s["tokens_per_s"] else "") +
+                (" q4_1_int8: the same Q4_1 file served with int8 activations "
+                 "(`BITDELTA_QUANT_ACTIVATIONS=int8`: x quantized per row and 32-block as "
+                 "llama.cpp does; AVX-512 VNNI tiles where the CPU has them)."
+                 if "q4_1_int8" in s["tokens_per_s"] else "") +
                 " Q4_1 variants: the shipped real ones; Q8_0 variants: random 1-bit.", ""]
     lines += ["| scenario | tokens/s | median wall (s) |", "|---|---|---|",
               *[f"| {k} | {v:.2f} | {s['median_s'][k]:.2f} |" for k, v in s["tokens_per_s"].items()],
@@ -384,38 +413,38 @@ def render(res: dict) -> list[str]:
 # why the goals are met or missed, from the run of 2026-12-04 (AMD EPYC, AVX-512): edit with the
 # numbers when the bench is rerun
 REASONS = [
-  "## Why (run of 2026-12-04)",
+  "## Why (runs of 2026-12-04)",
+  "",
+  "The 1B and SmolLM2 sections were rerun at 16:52 / 17:03 UTC (AMD EPYC, AVX-512 VNNI, L2 1 "
+  "MB), after the int8-activation path got AVX-512 VNNI tiles; the 7B section is from an "
+  "earlier run on another host (not rerun).",
   "",
   "- **7B one stream meets llama.cpp** (Q4_0 1.04x, Q8_0 1.13x): a decode step reads the "
-  "weights once (3.6 / 6.8 GB) and both are bound by memory there; our block kernel widens each "
-  "weight to f32 in 16-column AVX-512 tiles (Q4) and adds no per-token overhead that matters at "
-  "7B. **1B misses** (0.71x / 0.73x): not profiled this run; the likely cause is the per-step "
-  "fixed cost (the Python scheduler, sampling, a step's dispatch), which weighs more against a "
-  "50-90 ms step than against a 350-500 ms one.",
-  "- **SmolLM2 one stream misses** (Q4_1 0.56x, Q8_0 0.45x; its variants 0.90-0.92x, met; at "
-  "8 concurrent 1.01x / 0.79x of llama-server): at 135M a ~17 ms step is mostly per-step fixed "
-  "cost, as at 1B. The A/B of XLA's CPU scheduler: the memory-minimizing one this project sets "
-  "(`engine.build.memory_scheduler`) decodes at **0.91x** the concurrency-optimized default's "
-  "speed (q4_1 vs q4_1_cosched): the memory fix costs ~9% of one SmolLM2 stream.",
-  "- **8 concurrent streams miss badly** (1B 0.48-0.51x, 7B 0.34-0.43x of `llama-server -np 8`): "
-  "at 8 rows our kernel keeps f32 activations and widens every weight per 16-row pass "
-  "(compute-bound: 8 FMAs a weight), where llama.cpp multiplies int8 activations with "
-  "AVX-512 VNNI; the opt-in int8 path (`BITDELTA_QUANT_ACTIVATIONS=int8`) uses AVX2 "
-  "`vpmaddubsw`, not VNNI, and was ~1.0-1.1x the f32 time at 8 rows here (`quant_kernel.md`).",
-  "- **A variant's stream misses at Q4 / 7B Q8_0** (0.65-0.73x; 1B Q8_0 0.88x met): the 1-bit "
-  "term reads 1/4.5 (Q4) of the base's bytes but costs more than that in compute: its x·S "
-  "lookups (16-entry AVX-512 tables, 2 per packed byte) run after the base product in the same "
-  "task and are not fused into the base tile's loop. The 1B rows were run before that delta "
-  "kernel (AVX2 tables); the 7B rows after.",
-  "- **14 variants over the 7B Q4_0 base are served, at the edge**: 14 device slots (14 x 772 "
-  "MiB of preallocated banks + 3.6 GB base + 1 GB KV) stalled at the third variant load (no "
-  "room for a load's host buffers; no swap); 8 slots with the other 6 loaded from disk on "
-  "demand served all 14 at once, peaking at 22.7 GiB of 23.5 (the x14 rows ran beside a test "
-  "job in their last minutes: their speeds are not comparable to the other groups').",
-  "- **Later (memory only, `bench/results/memory.md` \"after 4\")**: a load now claims its slot "
-  "before reading its delta and at most `io_threads` deltas are between disk and slot; the same "
-  "14 variants at once peak at 17.1 GB in 8 slots and **21.2 GB in 14 slots, each variant in "
-  "its own slot** (1.30x resident). The speeds above were not rerun (another, contended host).",
+  "weights once (3.6 / 6.8 GB) and both are bound by memory there.",
+  "- **1B one stream: int8 activations reach 0.93x llama.cpp** (q4_0_int8; f32 activations, "
+  "the default, 0.72x; Q8_0 0.83x). The gap at 1B was the 1-row kernel, not the host: an "
+  "in-process decode step of the 1B Q4_0 model took 44-48 ms with f32 x and 30-37 ms with int8 "
+  "x on VNNI (593 MB a step: ~13 vs ~18 GB/s), and llama.cpp multiplies int8 x too. With f32 x "
+  "each weight is widened and FMA'd in f32 (~4.5 vector ops per 16 weights), compute-bound at "
+  "about half the memory bandwidth; int8 x on VNNI does 64 multiply-adds an instruction. "
+  "f32 x stays the default because int8 x changes greedy tokens at a few positions "
+  "(`quant_kernel_logits.md`) and a GGUF base must give its dequantized model's tokens.",
+  "- **SmolLM2 one stream misses** (Q4_1 0.75x, 0.69x with int8 x; Q8_0 0.46x): at 135M a "
+  "~17 ms step is mostly per-step fixed cost (about 210 kernel calls, each a thread-pool "
+  "dispatch, plus XLA's ops between them), and int8 x adds quantizing x per call (int8 x is "
+  "0.91x the f32 speed at one stream, 1.19x at 8 concurrent). llama.cpp's own run varied "
+  "between runs (Q4_1 104 then 80 tokens/s): compare the ratios within one run.",
+  "- **8 concurrent streams** (vs `llama-server -np 8`): SmolLM2 Q4_1 1.02x (f32 x) and "
+  "**1.22x with int8 x**; 1B Q4_0 0.50x (f32 x) and **0.76x with int8 x** (1.52x the f32 "
+  "server); Q8_0 0.59-0.79x. At 8 rows f32 x is compute-bound (8 FMAs a weight per 16-row "
+  "pass); the VNNI tiles take 4 rows per weight transpose.",
+  "- **A variant's stream**: 1B Q4_0 0.81x and SmolLM2 0.76-0.89x meet their goals; 1B Q8_0 "
+  "0.83x and 7B 0.73x miss: the 1-bit term's x·S lookups (16-entry AVX-512 tables, 2 per packed "
+  "byte) run after the base product in the same task and are not fused into the base tile's "
+  "loop.",
+  "- **14 variants over the 7B Q4_0 base are served** (the 7B run: 8 slots, 22.7 GiB peak). "
+  "Later memory work (`bench/results/memory.md`): 17.1 GB in 8 slots and 19.2 GB with each of "
+  "the 14 variants in its own slot (1.18x resident).",
 ]
 
 

@@ -7,9 +7,11 @@ bytes and the work of turning them into numbers; Q8_0 / Q4_0 / Q4_1 blocks are 1
 of up to 16 rows, widens its values to f32 per 8 columns in registers (AVX2), sums up to 8 rows'
 products over the block in registers and scales them by d at the block's end (+ m·Σx for
 Q4_1); a slot present in the batch adds ``α ⊙ (x·S)`` in one pass over its bit plane (table
-lookups of the x sums per packed byte). With int8 activations (q4's default) the f32 widening
-and FMAs give way to integer products (vpmaddubsw / vpmaddwd on weights interleaved per column
-over pairs of K rows, int32 per block). Threads split the columns, then K. More than 16 rows
+lookups of the x sums per packed byte). With int8 activations (opt-in) the f32 widening and
+FMAs give way to integer products, int32 per block: on AVX-512 VNNI + VBMI CPUs vpdpbusd (4 K
+rows of a column per lane: each quad of byte rows transposed by two byte permutes, 64
+multiply-adds an instruction), elsewhere AVX2 vpmaddubsw / vpmaddwd on weights interleaved per
+column over pairs of K rows; both give the same bits. Threads split the columns, then K. More than 16 rows
 (prefill chunks, any number): passes of 16 rows over the blocks; measured on 2 busy cores
 at 64 rows, K = N = 4096, the plain product runs as fast as the reference's dequantize + XLA
 GEMM and a 4-slot bank ~5x faster (the reference computes every slot for every row), so the
