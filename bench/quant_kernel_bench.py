@@ -153,7 +153,7 @@ def vnni_ab(rows: tuple[int, ...], shapes, rounds: int) -> list[dict]:
           f = jax.jit(lambda x, q, t=t, g=g, act=act: cpu_rows.rows_call(
             x, q, group_k=g, activations=act, target=t))
           fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
-        fns["xla_f32"] = lambda x=x: gemv(x, wj)
+        fns["xla_f32"] = lambda x=x, gemv=gemv, wj=wj: gemv(x, wj)
         med = harness.interleaved(fns, rounds, min_rounds=rounds).medians()
         res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],
                     **{f"{c}_us": 1e6 * v for c, v in med.items()},
