@@ -743,10 +743,11 @@ inline void StoreI8x16(const Args& a, const Pass& p, float* y, __m512i v, int64_
   _mm512_storeu_ps(y, out);
 }
 
-// byte permutes of the quad transpose: kPair[h] takes columns 32h..32h+31 of two rows as
-// (row a, row b) byte pairs; kQuad[g] takes pairs 16g..16g+15 of two pair vectors as quads
+// byte permutes of the quad transpose: pair[h] takes columns 32h..32h+31 of two rows as
+// (row a, row b) byte pairs; quad[g] takes pairs 16g..16g+15 of two pair vectors as quads;
+// one16 turns 4 rows x 16 columns side by side into quads (built once per `BaseVnni` call)
 struct QuadIdx {
-  __m512i pair[2], quad[2];
+  __m512i pair[2], quad[2], one16;
   QuadIdx() {
     alignas(64) uint8_t t[4][64];
     for (int h = 0; h < 2; ++h)
@@ -760,6 +761,10 @@ struct QuadIdx {
       pair[k] = _mm512_load_si512(t[k]);
       quad[k] = _mm512_load_si512(t[2 + k]);
     }
+    alignas(64) uint8_t u[64];
+    for (int c = 0; c < 16; ++c)
+      for (int i = 0; i < 4; ++i) u[4 * c + i] = uint8_t(16 * i + c);
+    one16 = _mm512_load_si512(u);
   }
 };
 
@@ -776,7 +781,7 @@ inline void Quads64(const uint8_t* q, int64_t N, const QuadIdx& ix, __m512i out[
   }
 }
 
-// 16 columns: the four 16-byte rows side by side, then one vpermb (kQuad16)
+// 16 columns: the four 16-byte rows side by side, then one vpermb (`QuadIdx::one16`)
 inline __m512i Quads16(const uint8_t* q, int64_t N, const __m512i& idx) {
   __m512i v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
   v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + N)), 1);
@@ -785,20 +790,11 @@ inline __m512i Quads16(const uint8_t* q, int64_t N, const __m512i& idx) {
   return _mm512_permutexvar_epi8(idx, v);
 }
 
-inline __m512i Quad16Idx() {
-  alignas(64) uint8_t t[64];
-  for (int c = 0; c < 16; ++c)
-    for (int i = 0; i < 4; ++i) t[4 * c + i] = uint8_t(16 * i + c);
-  return _mm512_load_si512(t);
-}
-
 // block b, columns n..n + 16·C (C = 4: 64, one cache line of each byte row; C = 1: 16), rows
 // row0..row0 + R: Σ q_x·q_w in int32 per (row, column), then the f32 step
 template <Format F, int R, int C>
-inline void TileVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0,
-                     int64_t n) {
-  static const QuadIdx ix;
-  static const __m512i idx16 = Quad16Idx();
+inline void TileVnni(const Args& a, const Pass& p, const QuadIdx& ix, float* acc, int64_t b,
+                     int64_t row0, int64_t n) {
   const int64_t N = a.N, K = a.K;
   __m512i s[R][C];
 #pragma GCC unroll 4
@@ -813,7 +809,7 @@ inline void TileVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_
   for (int t = 0; t < kQuads; ++t) {
     __m512i w[C];
     if constexpr (C == 4) Quads64(q + 4 * t * N, N, ix, w);
-    else w[0] = Quads16(q + 4 * t * N, N, idx16);
+    else w[0] = Quads16(q + 4 * t * N, N, ix.one16);
     if constexpr (F == kQ8_0) {
 #pragma GCC unroll 4
       for (int c = 0; c < C; ++c) w[c] = _mm512_xor_si512(w[c], flip);
@@ -853,13 +849,14 @@ inline void TileVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_
 
 // every row of block b over columns n..n + 16·C, in tiles of up to 4 rows
 template <Format F, int C>
-inline void RowsVnni(const Args& a, const Pass& p, float* acc, int64_t b, int64_t n) {
+inline void RowsVnni(const Args& a, const Pass& p, const QuadIdx& ix, float* acc, int64_t b,
+                     int64_t n) {
   for (int64_t r = 0; r < p.M; r += 4) {
     switch (std::min<int64_t>(4, p.M - r)) {
-      case 1: TileVnni<F, 1, C>(a, p, acc, b, r, n); break;
-      case 2: TileVnni<F, 2, C>(a, p, acc, b, r, n); break;
-      case 3: TileVnni<F, 3, C>(a, p, acc, b, r, n); break;
-      default: TileVnni<F, 4, C>(a, p, acc, b, r, n); break;
+      case 1: TileVnni<F, 1, C>(a, p, ix, acc, b, r, n); break;
+      case 2: TileVnni<F, 2, C>(a, p, ix, acc, b, r, n); break;
+      case 3: TileVnni<F, 3, C>(a, p, ix, acc, b, r, n); break;
+      default: TileVnni<F, 4, C>(a, p, ix, acc, b, r, n); break;
     }
   }
 }
@@ -869,14 +866,15 @@ template <Format F>
 void BaseVnni(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
               int64_t n1) {
   const int64_t n64 = n0 + (n1 - n0) / 64 * 64, n16 = n0 + (n1 - n0) / 16 * 16;
+  const QuadIdx ix;
   for (int64_t b = b0; b < b1; ++b) {
     if (b + 1 < b1)
       for (int64_t j = 0; j < a.qrows; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
                      _MM_HINT_T0);
     int64_t n = n0;
-    for (; n < n64; n += 64) RowsVnni<F, 4>(a, p, acc, b, n);
-    for (; n < n16; n += 16) RowsVnni<F, 1>(a, p, acc, b, n);
+    for (; n < n64; n += 64) RowsVnni<F, 4>(a, p, ix, acc, b, n);
+    for (; n < n16; n += 16) RowsVnni<F, 1>(a, p, ix, acc, b, n);
   }
   if (n16 < n1) BaseI8Scalar(a, p, acc, b0, b1, n16, n1);
 }
