@@ -24,23 +24,38 @@ from pallas_kernels.cache import cache_root
 log = logging.getLogger("bitdelta_jax.engine")
 
 
+def compile_cache_root() -> pathlib.Path | None:
+  """Where compiled programs are kept between processes, by ``BITDELTA_COMPILE_CACHE``: unset or
+  ``1`` the cache root (`pallas_kernels.cache.cache_root`), ``0`` nowhere (every start
+  compiles), any other value a directory of its own (the test suite points it at one fresh
+  directory per run, so a run shares its compiles and never touches the user's cache). Built
+  native kernels stay in the cache root either way."""
+  value = os.environ.get("BITDELTA_COMPILE_CACHE", "1")
+  if value == "0":
+    return None
+  return cache_root() if value == "1" else pathlib.Path(value)
+
+
 def step_cache_dir() -> str | None:
   """Where compiled step programs are kept whole (`bitdelta_jax.engine.step_cache`):
-  ``<cache root>/steps``; None with ``BITDELTA_COMPILE_CACHE=0``."""
-  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0":
-    return None
-  return str(cache_root() / "steps")
+  ``<compile cache>/steps``, or None (`compile_cache_root`)."""
+  root = compile_cache_root()
+  return None if root is None else str(root / "steps")
 
 
 def enable_compile_cache() -> None:
-  """Keeps compiled executables on disk (``<cache root>/xla``) so a restarted server skips most
-  of its warm-up compiles. ``BITDELTA_COMPILE_CACHE=0`` turns it off."""
+  """Keeps compiled executables on disk (``<compile cache>/xla``, `compile_cache_root`) so a
+  restarted process skips most of its compiles: programs that took 1 s or more to compile, or
+  ``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS`` (JAX's own knob) when it is set. Does nothing
+  when the cache is off or JAX's cache directory is already set."""
   import jax
 
-  if os.environ.get("BITDELTA_COMPILE_CACHE", "1") == "0" or jax.config.jax_compilation_cache_dir:
+  root = compile_cache_root()
+  if root is None or jax.config.jax_compilation_cache_dir:
     return
-  jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  jax.config.update("jax_compilation_cache_dir", str(root / "xla"))
+  if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
 
 _SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"

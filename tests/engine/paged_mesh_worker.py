@@ -1,42 +1,32 @@
-"""Subprocess side of tests/engine/test_data_groups_and_mesh.py: the paged engine on 8 simulated CPU devices.
+"""Mesh side of tests/engine/test_data_groups_and_mesh.py: the paged engine on 8 simulated CPU
+devices, run in the session's mesh worker (tests/mesh/worker.py)::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/engine/paged_mesh_worker.py OUT.json
+    mesh_worker.call("engine/paged_mesh_worker.py:run_report")
 
 Runs one mixed batch (base, two 1-bit variants, one of them with changed embeddings and norms,
 a LoRA; n=2, log probabilities, prompt log probabilities, penalties and bias, a token mask, a
 prompt longer than a prefill chunk, prefix-cache hits) through `Generator` on one device
 and on 1x8 and 2x4 ``(data, model)`` meshes, and writes every choice's tokens and log
-probabilities plus where the KV pages live. The flag must be set before jax starts, which is
-why this is a separate process.
+probabilities plus where the KV pages live.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
 import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bitdelta_jax import sharding  # noqa: E402
-from bitdelta_jax.delta.entries import (
-  Dense,  # noqa: E402
-  LoraEntry,  # noqa: E402
-)
-from bitdelta_jax.delta.format import PackedDelta, packed_rows  # noqa: E402
-from bitdelta_jax.engine.generator import Generator  # noqa: E402
-from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
-from bitdelta_jax.engine.stops import check_stop  # noqa: E402
-from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
-from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
+from bitdelta_jax import sharding
+from bitdelta_jax.delta.entries import Dense, LoraEntry
+from bitdelta_jax.delta.format import PackedDelta, packed_rows
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.sampling import SamplingParams
+from bitdelta_jax.engine.stops import check_stop
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
+from bitdelta_jax.models.slots import _targets, load_variant
 
 # 4 kv heads: split over model=4 (2x4), replicated on model=8 (1x8); hidden 512 keeps o_proj
 # row-parallel on model=4 and column-parallel on model=8 (whole bit-plane groups, rules.py)
@@ -210,7 +200,9 @@ def decode_costs(mesh) -> list[dict]:
   return out
 
 
-def main(path: str) -> None:
+def run_report() -> dict:
+  """Every check's data: one device, the 1x8, 2x4 and scanned 1x8 meshes, the decode costs of
+  one and two data groups, and the seconds each took."""
   import time
 
   t0, seconds = time.perf_counter(), {}
@@ -221,6 +213,7 @@ def main(path: str) -> None:
     t0 = time.perf_counter()
     return value
 
+  assert len(jax.devices()) == 8, jax.devices()
   rep = {"devices": len(jax.devices()), "one_device": timed("one_device", run(None)),
          "meshes": {}}
   for spec in ("1x8", "2x4"):
@@ -235,8 +228,4 @@ def main(path: str) -> None:
     "2x4": timed("costs_2x4", decode_costs(sharding.make_mesh("data=2,model=4")))}
   rep["seconds"] = seconds  # where the worker's time goes (the suite's slowest fixture)
   print("paged_mesh_worker seconds:", seconds, file=sys.stderr, flush=True)
-  pathlib.Path(path).write_text(json.dumps(rep))
-
-
-if __name__ == "__main__":
-  main(sys.argv[1])
+  return rep

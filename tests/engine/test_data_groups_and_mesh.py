@@ -1,34 +1,21 @@
 """The paged engine on a device mesh gives what it gives on one device (issue 18, part 3).
 
-8 simulated CPU devices in a subprocess (tests/engine/paged_mesh_worker.py): the same mixed batch on
+8 simulated CPU devices in the session's mesh worker (tests/engine/paged_mesh_worker.py, run by
+tests/mesh/worker.py): the same mixed batch on
 one device and on 1x8 and 2x4 ``(data, model)`` meshes. Greedy tokens must be equal; log
 probabilities equal to f32 rounding (a row-parallel layer sums its shards' partial products in
 another order than one device does).
 """
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
-
-WORKER = pathlib.Path(__file__).with_name("paged_mesh_worker.py")
+pytestmark = [pytest.mark.slow, pytest.mark.mesh]
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-  out = tmp_path_factory.mktemp("paged_mesh") / "report.json"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", BITDELTA_CPU_THREADS="1")
-  proc = subprocess.run([sys.executable, str(WORKER), str(out)], env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(out.read_text())
+def report(mesh_worker):
+  return mesh_worker.call("engine/paged_mesh_worker.py:run_report")
 
 
 def test_every_choice_finishes_and_the_variants_matter(report):

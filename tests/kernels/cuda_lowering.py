@@ -19,16 +19,13 @@ size is ``T × D``, proportional to the tokens, never the table's ``D/8 × V``.
 with the pools' trailing ``[page_size, KV, head_dim]`` (a dense gather of pages, or one
 layer's pool copied out of the stacked pools).
 
-Run as a script (``python tests/kernels/cuda_lowering.py MESH CONFIG [BANKS]``, with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``) it lowers over a device mesh and prints
-one JSON line per program (tests/kernels/test_cuda_lowering.py).
+`mesh_report` lowers over a device mesh in the session's 8-device mesh worker
+(tests/mesh/worker.py; tests/kernels/test_cuda_lowering.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -197,9 +194,10 @@ def report(runner, cfg, programs, per_device_elements: int | None = None) -> lis
   return rows
 
 
-if __name__ == "__main__":
-  mesh_spec, config = sys.argv[1], sys.argv[2]
-  banks = sys.argv[3] if len(sys.argv) > 3 else "linear"
+def mesh_report(mesh_spec: str, config: str, banks: str = "linear") -> dict:
+  """The step programs of 32 and 544 tokens lowered for CUDA over ``mesh_spec`` (run in the
+  session's 8-device mesh worker, tests/mesh/worker.py): `report`'s rows and the sizes the
+  checks compare them with."""
   from bitdelta_jax.sharding import make_mesh
 
   mesh = make_mesh(mesh_spec)
@@ -208,6 +206,6 @@ if __name__ == "__main__":
   # a packed matrix split over `model` devices: each device holds 1/model of it
   rows = report(runner, cfg, [(32, False), (544, False)],
                 per_device_elements=packed_matrix_elements(cfg) // model_axis)
-  print(json.dumps({"devices": jax.device_count(), "mesh": dict(mesh.shape),
-                    "embedding_elements": embedding_packed_elements(cfg),
-                    "hidden": cfg.hidden_size, "rows": rows}))
+  return {"devices": jax.device_count(), "mesh": dict(mesh.shape),
+          "embedding_elements": embedding_packed_elements(cfg),
+          "hidden": cfg.hidden_size, "rows": rows}

@@ -15,16 +15,13 @@ the blocks (nor a variant's signs from its bits) without such ops. The
 embedding lookup (`take_columns`) gathers the batch's columns first, so its converts have the
 batch's token count there, not N.
 
-Run as a script (``python tests/kernels/quant_lowering.py MESH FORMAT [TOKENS,...]`` with
-``XLA_FLAGS=--xla_force_host_platform_device_count=8``) it lowers over a mesh and prints one
-JSON line (tests/kernels/test_quant_matmul_mosaic_gpu.py).
+`mesh_report` lowers over a mesh in the session's 8-device mesh worker (tests/mesh/worker.py;
+tests/kernels/test_quant_matmul_mosaic_gpu.py).
 """
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -115,9 +112,9 @@ def report(runner, cfg, programs, columns=None) -> list[dict]:
   return rows
 
 
-if __name__ == "__main__":
-  mesh_spec, fmt = sys.argv[1], sys.argv[2]
-  tokens = [int(t) for t in sys.argv[3].split(",")] if len(sys.argv) > 3 else [32, 544]
+def mesh_report(mesh_spec: str, fmt: str, tokens: list[int]) -> dict:
+  """`report`'s rows for steps of ``tokens`` lowered over ``mesh_spec`` (in the session's
+  8-device mesh worker, tests/mesh/worker.py)."""
   from bitdelta_jax.sharding import make_mesh
 
   mesh = make_mesh(mesh_spec)
@@ -125,4 +122,4 @@ if __name__ == "__main__":
   model_axis = dict(mesh.shape).get("model", 1)
   cols = weight_columns(cfg) | {c // model_axis for c in weight_columns(cfg)}
   rows = report(runner, cfg, [(t, False) for t in tokens], columns=cols)
-  print(json.dumps({"devices": jax.device_count(), "mesh": dict(mesh.shape), "rows": rows}))
+  return {"devices": jax.device_count(), "mesh": dict(mesh.shape), "rows": rows}

@@ -16,12 +16,6 @@ can fail.
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import cuda_lowering as cl
 import pytest
 
@@ -104,25 +98,16 @@ def test_the_pool_check_finds_the_references_page_gather(monkeypatch):
   assert cl.pool_reads(text, runner.shapes.page_size, cfg.head_dim)
 
 
-def _mesh_lowering(mesh: str, config: str, banks: str) -> dict:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  script = pathlib.Path(cl.__file__)
-  proc = subprocess.run([sys.executable, str(script), mesh, config, banks], capture_output=True,
-                        text=True, timeout=600, env=env, cwd=script.parent.parent)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
+@pytest.mark.mesh
 @pytest.mark.parametrize("mesh,config", [("data=1,model=8", "smollm2"),
                                          ("data=1,model=8", "llama_heads"),
                                          ("data=2,model=4", "llama_heads")])
-def test_whole_step_lowers_for_cuda_over_a_device_mesh(mesh, config):
+def test_whole_step_lowers_for_cuda_over_a_device_mesh(mesh_worker, mesh, config):
   """SmolLM2's 3 KV heads do not split over 8 (the attention runs replicated, its matmuls
   column-parallel, the KV write the jnp scatter of the replicated pools); 8 KV heads of 128
   (Llama-8B's attention) split over ``model``, so the attention kernels and the in-place KV
   write run per device under ``shard_map`` on their own heads' pages."""
-  res = _mesh_lowering(mesh, config, "all")
+  res = mesh_worker.call("kernels/cuda_lowering.py:mesh_report", mesh, config, "all")
   assert res["devices"] == 8
   for row in res["rows"]:
     if config == "smollm2":  # replicated pools: the scatter writes them (see the docstring)

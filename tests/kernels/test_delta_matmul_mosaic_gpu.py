@@ -8,8 +8,8 @@
   `test_delta_matmul` through the api (a thin subclass).
 * Lowering: `jax.jit(...).lower(lowering_platforms=("cuda",))` and `jax.export` of the real
   model's shapes and 4096x4096 must hold the Mosaic GPU custom call and no dense ``W_eff``;
-  the same inside `jax.shard_map` over 8 forced host devices (a subprocess, the flag must be set
-  before jax starts).
+  the same inside `jax.shard_map` over 8 forced host devices (the session's mesh worker: the
+  device count is fixed when jax starts).
 
 f32 tolerance: the kernel multiplies in bf16 pieces (x and W split as ``hi + mid + lo``) with
 f32 accumulation, so it must be as exact as an f32 dot: ``|y − y64| ≤ 1e-5 · Σ_k |x_k|·(|W_kn|
@@ -21,13 +21,7 @@ piece (``2^-9``) would be 40x over. bf16: the kernel's max error against float64
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
 import re
-import subprocess
-import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -304,45 +298,7 @@ def test_export_and_api_dispatch_for_cuda():
   assert mg.CUSTOM_CALL_TARGET in lowered.as_text()
 
 
-_SHARD_MAP_SCRIPT = textwrap.dedent(
-  """
-  import json, os, re
-  os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  import jax, jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
-  from pallas_kernels.delta_matmul import api, delta_matmul
-
-  mesh = jax.make_mesh((8,), ("model",))
-  m, k, n, s = 8, 1536, 4608, 4  # column-parallel: 576 columns per device
-  f = jax.shard_map(
-    lambda x, w, b, a, sl: delta_matmul(x, w, b, a, sl, group_k=128), mesh=mesh,
-    in_specs=(P(), P(None, "model"), P(None, None, "model"), P(None, "model"), P()),
-    out_specs=P(None, "model"))
-  sds = lambda shape, dt, *spec: jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P(*spec)))
-  args = (sds((m, k), jnp.bfloat16), sds((k, n), jnp.bfloat16, None, "model"),
-          sds((s, k // 8, n), jnp.uint8, None, None, "model"), sds((s, n), jnp.float32, None, "model"),
-          sds((m,), jnp.int32))
-  with api.lowering_platform("cuda"):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    exp = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
-  print(json.dumps({"devices": jax.device_count(), "calls": text.count("@mosaic_gpu_v2("),
-                    "partitions": re.findall(r"mhlo.num_partitions = (\\d+)", text),
-                    "export_devices": exp.nr_devices}))
-  """
-)
-
-
-def test_lowers_inside_shard_map_over_8_devices():
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  root = pathlib.Path(__file__).resolve().parents[2]
-  proc = subprocess.run(
-    [sys.executable, "-c", _SHARD_MAP_SCRIPT],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=env,
-    cwd=root,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  res = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.mesh  # the session's 8-device worker (tests/mesh/kernel_lowering.py)
+def test_lowers_inside_shard_map_over_8_devices(mesh_worker):
+  res = mesh_worker.call("mesh/kernel_lowering.py:delta_matmul")
   assert res == {"devices": 8, "calls": 1, "partitions": ["8"], "export_devices": 8}, res

@@ -5,16 +5,12 @@
 (b) its CUDA lowering (the Mosaic GPU custom call in the lowered module, `jax.export`) at the real
     model's shapes, through the dispatching API under ``lowering_platform("cuda")``;
 (c) the same inside `jax.shard_map` over 8 forced host devices, KV heads on a "model" axis (a
-    subprocess: the device count must be set before jax starts).
+    the session's mesh worker: the device count is fixed when jax starts).
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import jax
@@ -33,7 +29,6 @@ from pallas_kernels.paged_attention.api import unavailable_reason
 from pallas_kernels.platform import override, target_platform
 
 CUSTOM_CALL = "mosaic_gpu_v2"  # the call target of a Mosaic GPU kernel in the lowered module
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _lanes(rng, lens, *, ps, num_pages, width):
@@ -346,57 +341,9 @@ def test_cuda_lowering_and_export_at_model_shapes(shapes):
   assert exported.out_avals[0].shape == (shapes["n"], shapes["h"], shapes["d"])
 
 
-SHARD_MAP_SCRIPT = textwrap.dedent("""
-  import jax, jax.numpy as jnp
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-  from pallas_kernels.paged_attention import lowering_platform, ragged_paged_attention
-  assert len(jax.devices()) == 8, jax.devices()
-  mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
-  heads, kv_heads = P(None, "model", None), P(None, None, None, "model", None)
-  sds = lambda shape, dtype, spec=P(): jax.ShapeDtypeStruct(
-    shape, dtype, sharding=NamedSharding(mesh, spec))
-  i32 = jnp.int32
-  n, r, p, u, layers, num_pages, ps, kv, h, d = 64, 32, 128, 4096, 32, 2048, 16, 8, 32, 128
-  pool = sds((layers, num_pages, ps, kv, d), jnp.bfloat16, kv_heads)
-  ints = [sds((r, p), i32), sds((r,), i32)] + [sds((u,), i32)] * 4 + [sds((n,), i32)] * 2
-  args = [sds((n, h, d), jnp.bfloat16, heads), pool, pool, sds((), i32), *ints, sds((2,), i32)]
-  names = ["lane_pages", "lane_len", "pages", "page_seq", "page_start", "page_fill",
-           "token_seq", "positions", "blocks"]
-
-  def attend(q, k, v, layer, *rest):
-    return ragged_paged_attention(q, k, v, layer, block_pages=8, window=None,
-                                  **dict(zip(names, rest)))
-
-  f = jax.shard_map(attend, mesh=mesh, in_specs=(heads, kv_heads, kv_heads) + (P(),) * 10,
-                    out_specs=heads, check_vma=False)
-  with lowering_platform("cuda"):
-    text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(*args)
-  print("CALLS", text.count("custom_call @mosaic_gpu_v2"))
-  calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line]
-  # decode and prefill each read one KV head's pool shard per device
-  print("PER_SHARD_POOL", all("tensor<32x2048x16x1x128xbf16>" in c for c in calls))
-  print("SHARDS", exported.nr_devices, exported.out_avals[0].shape)
-""")
-
-
-@pytest.mark.slow
-def test_cuda_lowering_inside_shard_map_over_8_devices():
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-  )
-  proc = subprocess.run(
-    [sys.executable, "-c", SHARD_MAP_SCRIPT],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert "CALLS 2" in proc.stdout, proc.stdout  # decode + prefill
-  assert "PER_SHARD_POOL True" in proc.stdout, proc.stdout
-  assert "SHARDS 8 (64, 32, 128)" in proc.stdout, proc.stdout
+@pytest.mark.mesh  # the session's 8-device worker (tests/mesh/kernel_lowering.py)
+def test_cuda_lowering_inside_shard_map_over_8_devices(mesh_worker):
+  res = mesh_worker.call("mesh/kernel_lowering.py:paged_attention")
+  assert res["calls"] == 2, res  # decode + prefill
+  assert res["per_shard_pool"] is True, res
+  assert (res["shards"], res["out_shape"]) == (8, [64, 32, 128]), res

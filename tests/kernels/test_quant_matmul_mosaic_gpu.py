@@ -22,12 +22,6 @@
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import gguf
 import jax
 import jax.numpy as jnp
@@ -268,16 +262,9 @@ def test_the_check_finds_the_reference_dequantizing(quant_runner, monkeypatch):
   assert len(row["dequantized"]) >= 7  # every layer's q/k/v/o/gate/up/down and the head
 
 
-@pytest.mark.slow  # a subprocess with 8 forced host devices (~35 s)
-def test_whole_step_lowers_over_8_devices():
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "JAX_PLATFORMS": "cpu"}
-  script = pathlib.Path(ql.__file__)
-  proc = subprocess.run([sys.executable, str(script), "data=1,model=8", "q8_0", "32"],
-                        capture_output=True, text=True, timeout=600, env=env,
-                        cwd=script.parents[2])
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  res = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.mesh  # the session's 8-device worker
+def test_whole_step_lowers_over_8_devices(mesh_worker):
+  res = mesh_worker.call("kernels/quant_lowering.py:mesh_report", "data=1,model=8", "q8_0", [32])
   assert res["devices"] == 8
   for row in res["rows"]:
     assert row["partitions"] == ["8"], row

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from serving.testing import synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 MODELS = ("base", "v0", "v1")
 ODD_TEXT = st.sampled_from(["", "\ud800", "a\udfffb", "\x00", "\u2028", "é" * 40, "</s>",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-pytestmark = pytest.mark.slow  # the real model and a server
+pytestmark = [pytest.mark.slow, pytest.mark.server, pytest.mark.real_model]
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TOKENS = 16

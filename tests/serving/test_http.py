@@ -18,7 +18,7 @@ import requests
 
 from serving.testing import corrupt_arrays, synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 KEY = "test-key"
 H = {"Authorization": f"Bearer {KEY}"}

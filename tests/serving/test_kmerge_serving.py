@@ -29,7 +29,7 @@ from serving.app import BadVariantsError, ServerThread  # noqa: E402
 from serving.config import ConfigError, ServerConfig  # noqa: E402
 from serving.registry import Registry, RegistryError  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 PROMPTS = ["hello", "abc def", "1 2 3"]
 

@@ -28,7 +28,7 @@ import requests
 
 from serving.testing import synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 VARIANTS = ("v0", "v1", "v2", "v3")
 HEADER = [7 + (i * 37) % 250 for i in range(33)]  # token ids; prompts share its pages

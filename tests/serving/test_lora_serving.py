@@ -20,7 +20,7 @@ from bitdelta_jax.models.loading import load_config
 from bitdelta_jax.models.tokenizer import Tokenizer
 from serving.testing import synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 PROMPTS = ["hello", "The quick brown fox", "1 2 3"]
 

@@ -32,7 +32,7 @@ from serving.cli import add_demo_parser, add_serve_parsers, config_from_args
 from serving.config import ConfigError, ServerConfig
 from serving.testing import synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 STEP_TIMEOUT = 15
 REQUESTS = [(m, p) for m in ("base", "v0", "v1", "v2", "emb1", "lora", "grown")

@@ -19,7 +19,7 @@ import pytest
 
 from serving.testing import synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 openai = pytest.importorskip("openai")
 

@@ -21,7 +21,7 @@ from serving.app import ServerThread  # noqa: E402
 from serving.config import ServerConfig  # noqa: E402
 from serving.testing import synthetic_family  # noqa: E402
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 MC_TASK = """
 task: tiny_mc

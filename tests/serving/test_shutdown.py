@@ -22,7 +22,7 @@ import time
 import pytest
 import requests
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 GRACE_S = 2.0
 STREAMS = 7  # and one non-streamed request

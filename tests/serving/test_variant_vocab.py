@@ -26,7 +26,7 @@ from bitdelta_jax.models.tokenizer import Tokenizer
 from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
 from serving.testing import TINY, synthetic_family
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 ADDED = ["<think>", "</think>", "<a1>", "<a2>"]  # ids 261-264
 END = "<|end|>"  # id 265: the variant's EOS

@@ -1,37 +1,28 @@
-"""Subprocess side of tests/sharding/test_sharding.py: runs with N simulated CPU devices.
+"""Mesh side of tests/sharding/test_sharding.py: runs on the 8 simulated CPU devices of the
+session's mesh worker (tests/mesh/worker.py; the pytest process has one device)::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/sharding/sharding_worker.py \
-        equivalence|restore OUT.json [--meshes 1x8 2x4 8x1]
+    mesh_worker.call("sharding/sharding_worker.py:run", "equivalence", ["1x8", "2x4", "8x1"])
 
-The flag must be set before jax starts, which is why this is a separate process (the pytest
-process has one device). Writes a JSON report; the test asserts on it.
+Returns a JSON report; the test asserts on it.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import pathlib
-import sys
 import tempfile
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("BITDELTA_CPU_THREADS", "1")
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from bitdelta_jax import sharding  # noqa: E402
-from bitdelta_jax.delta.entries import Dense  # noqa: E402
-from bitdelta_jax.delta.format import PackedDelta  # noqa: E402
-from bitdelta_jax.models import LlamaForCausalLM, ModelConfig  # noqa: E402
-from bitdelta_jax.models.layers import DeltaDense, SlotBank  # noqa: E402
-from bitdelta_jax.models.slots import _targets, load_variant  # noqa: E402
+from bitdelta_jax import sharding
+from bitdelta_jax.delta.entries import Dense
+from bitdelta_jax.delta.format import PackedDelta
+from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
+from bitdelta_jax.models.layers import DeltaDense, SlotBank
+from bitdelta_jax.models.slots import _targets, load_variant
 
 # hidden 512: o_proj (K=512) is row-parallel on model=4 but not on model=8 (512 < 8 x 128:
 # falls back to column-parallel); down_proj (K=1024) is row-parallel on both.
@@ -206,18 +197,10 @@ def restore(meshes: list[str]) -> dict:
   return report
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("mode", choices=["equivalence", "restore"])
-  ap.add_argument("out")
-  ap.add_argument("--meshes", nargs="+", default=["1x8", "2x4", "8x1"])
-  a = ap.parse_args()
+def run(mode: str, meshes: list[str]) -> dict:
+  """The ``equivalence`` or ``restore`` report over ``meshes`` (e.g. ``["1x8", "2x4"]``)."""
   t0 = time.perf_counter()
-  rep = equivalence(a.meshes) if a.mode == "equivalence" else restore(a.meshes)
+  rep = equivalence(meshes) if mode == "equivalence" else restore(meshes)
   rep["devices"] = jax.device_count()
   rep["seconds_total"] = time.perf_counter() - t0
-  pathlib.Path(a.out).write_text(json.dumps(rep, indent=1))
-
-
-if __name__ == "__main__":
-  main()
+  return rep

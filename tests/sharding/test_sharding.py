@@ -1,14 +1,9 @@
 """bitdelta_jax.sharding: rules and the per-shard delta matmul in-process (1 device); sharded
-prefill/decode/generation and restore with 8 simulated CPU devices in a subprocess
-(tests/sharding/sharding_worker.py), since the device count is fixed when jax starts."""
+prefill/decode/generation and restore with 8 simulated CPU devices in the session's mesh worker
+(tests/sharding/sharding_worker.py run by tests/mesh/worker.py), since the device count is fixed
+when jax starts."""
 
 from __future__ import annotations
-
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -19,9 +14,7 @@ from jax.sharding import PartitionSpec as P
 from bitdelta_jax import sharding
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
-
-WORKER = pathlib.Path(__file__).with_name("sharding_worker.py")
+WORKER = "sharding/sharding_worker.py:run"
 CFG = ModelConfig(model_type="llama", vocab_size=256, hidden_size=512, intermediate_size=1024,
                   num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64, qkv_bias=True,
                   num_slots=4, dense_embedding_slots=True)
@@ -119,19 +112,10 @@ def test_sharded_delta_matmul_one_device(mode):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
 
 
-# -- 8 simulated devices (subprocess) -----------------------------------------------------------
-def _run_worker(mode: str, meshes: list[str], tmp_path) -> dict:
-  out = tmp_path / f"{mode}.json"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu", BITDELTA_CPU_THREADS="1")
-  proc = subprocess.run([sys.executable, str(WORKER), mode, str(out), "--meshes", *meshes],
-                        env=env, capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(out.read_text())
-
-
-def test_sharded_forward_matches_unsharded(tmp_path):
-  rep = _run_worker("equivalence", ["1x8", "2x4", "8x1"], tmp_path)
+# -- 8 simulated devices (the session's mesh worker) ------------------------------------------
+@pytest.mark.mesh
+def test_sharded_forward_matches_unsharded(mesh_worker):
+  rep = mesh_worker.call(WORKER, "equivalence", ["1x8", "2x4", "8x1"])
   assert rep["devices"] == 8
   assert rep["variant_effect"] > 0.1  # the variants change the logits: the test has teeth
   for spec, r in rep["meshes"].items():
@@ -145,8 +129,9 @@ def test_sharded_forward_matches_unsharded(tmp_path):
   assert "o_proj=row" in rep["meshes"]["2x4"]["modes"]
 
 
-def test_restore_into_shardings_per_device_bytes(tmp_path):
-  rep = _run_worker("restore", ["1x8", "2x4"], tmp_path)
+@pytest.mark.mesh
+def test_restore_into_shardings_per_device_bytes(mesh_worker):
+  rep = mesh_worker.call(WORKER, "restore", ["1x8", "2x4"])
   for spec in ("1x8", "2x4"):
     r = rep[spec]
     m = int(spec.split("x")[1])

@@ -13,7 +13,7 @@ from flax import nnx
 
 from bitdelta_jax.zoo import SHIPPED_REAL
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not (SHIPPED_REAL / "family.json").exists(),
+pytestmark = [pytest.mark.slow, pytest.mark.real_model, pytest.mark.server, pytest.mark.skipif(not (SHIPPED_REAL / "family.json").exists(),
                                 reason="no shipped real family")]
 
 

@@ -22,7 +22,7 @@ from bitdelta_jax.outputs import OutputError
 from bitdelta_jax.zoo import real_base
 from bitdelta_jax.zoo.real_base import RealBaseUnavailable, import_real_base, locate_gguf
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 TEXTS = [
   "The quick brown fox jumps over the lazy dog. It was 2024; 3.14159 ≈ π.",

@@ -14,7 +14,7 @@ from bitdelta_jax.models.tokenizer import Tokenizer
 from bitdelta_jax.zoo import real_family as rf
 from bitdelta_jax.zoo.real_base import RealBaseUnavailable, import_real_base
 
-pytestmark = pytest.mark.slow  # starts servers / subprocesses / the real model
+pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
 
 @pytest.fixture(scope="module")
