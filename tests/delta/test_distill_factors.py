@@ -224,6 +224,7 @@ def test_update_entries_rejects_mismatched_factors_and_kinds(pair, tmp_path):
   assert read_manifest(d) == m  # nothing written
 
 
+@pytest.mark.slow
 def test_cli_distills_factors_or_scales_only(pair, tmp_path, capsys):
   d = tmp_path / "delta"
   compress_checkpoints(pair["base"], pair["ft"], d, POLICIES["dqrelo-bf16"], progress=False)

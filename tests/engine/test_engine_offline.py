@@ -27,6 +27,7 @@ def engine(hf_models):
   eng.stop()
 
 
+@pytest.mark.slow
 def test_offline_generate_equals_transformers_greedy(engine):
   hf, tok, eng = engine
   out = eng.generate(PROMPTS, params=SamplingParams(max_new_tokens=6), timeout=300)

@@ -86,6 +86,7 @@ def test_sequence_larger_than_the_pool_is_an_error(llama_path):
     gen.generate([list(range(3, 23))], params=SamplingParams(max_new_tokens=2))
 
 
+@pytest.mark.slow
 def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
   hf, path = llama_path
   gen = Generator(from_pretrained(path, jnp.float32, num_slots=2), max_rows=8,
@@ -217,6 +218,7 @@ def gen(llama_model, llama_path):
                    tokenizer=tok)
 
 
+@pytest.mark.slow
 def test_stop_token_ids_and_max_new_tokens(gen):
   full = gen.generate([PROMPTS[2]], params=SamplingParams(max_new_tokens=8))[0]
   assert len(full.tokens) == 8 and full.finish_reason == "length"
@@ -430,6 +432,7 @@ def test_prng_key_on_the_host_equals_jax_keys():
                                     np.asarray(jax.random.key_data(key), np.uint32))
 
 
+@pytest.mark.slow
 def test_step_cache_loads_every_program_and_gives_the_same_tokens(llama_path, tmp_path):
   hf, path = llama_path
   kw = dict(max_rows=2, max_seq_len=32, page_size=4, prefill_chunk=6, step_cache_dir=tmp_path)

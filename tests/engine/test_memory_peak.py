@@ -16,8 +16,8 @@ weights and the logits of 544 rows; a separate assertion keeps it below what the
 concurrency-optimized scheduler needed). 192 MiB covers what the runtime allocates around a
 step and one compile (measured 100-140 MiB over the rest here). Only the smallest and the
 largest program are compiled (the warm-up's compile-then-run path, `PagedRunner._compile` and
-`_probe`), so the test stays short; `bench/memory_bench.py` measures the whole warm-up (the
-bf16 case is marked slow).
+`_probe`), so the test stays short; `bench/memory_bench.py` measures the whole warm-up (both
+cases are slow: 20 s of a 3-minute quick run).
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ def _run(base: Path, dtype: str) -> dict:
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=pytest.mark.slow), "q8_0"])
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["bf16", "q8_0"])
 def test_peak_rss_stays_within_resident_bytes(bases, fmt):
   if not Path("/proc/self/clear_refs").exists():
     pytest.skip("needs Linux /proc (VmHWM and clear_refs)")

@@ -164,6 +164,7 @@ def _logits_per_step(model, gen, prompts, decode_steps, monkeypatch, kernels: bo
   return np.concatenate(out)
 
 
+@pytest.mark.slow
 def test_bf16_decode_matches_the_f32_model_like_xlas_bf16(models, monkeypatch):
   m16, m32 = models
   prompts = [list(range(3, 24)), list(range(40, 47)), list(range(60, 93))]

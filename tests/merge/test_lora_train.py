@@ -87,6 +87,7 @@ def _nano_batches(seed=0, batch=8, seq=24):
     yield batch_examples([TASKS["nano-upper"].example(rng) for _ in range(batch)], seq)
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_the_forward_equals_the_merged_weights(nano, tmp_path):
   from bitdelta_jax.hf.safetensors_io import CheckpointReader
   from bitdelta_jax.models.loading import from_tensors, load_config

@@ -72,6 +72,7 @@ def test_lora_errors(setup):
     load_lora(small, 1, load_adapter(root / "adapter"))
 
 
+@pytest.mark.slow
 def test_residual_entry_serves_packed_plus_low_rank(setup):
   """A `ResidualEntry` (1-bit + low-rank) in a slot equals the base plus the dense sum of both,
   computed in numpy, in one batch with a plain 1-bit variant and the base."""

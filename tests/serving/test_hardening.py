@@ -231,6 +231,7 @@ def test_unimplemented_parameters_are_refused(server, field, value, chat):
   assert err["code"] == "unsupported_parameter"
 
 
+@pytest.mark.slow
 def test_neutral_values_and_unknown_extras_are_accepted(server):
   body = {"model": "v0", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
           "temperature": 0, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},

@@ -52,6 +52,7 @@ def llama(hf_models):  # noqa: F811
   return hf_models("llama")
 
 
+@pytest.mark.slow
 def test_recover_fails_the_steps_sequences_and_recomputes_the_others(llama):
   hf, path = llama
   gen = Generator(from_pretrained(path, jnp.float32), max_rows=4, max_seq_len=64,
