@@ -127,6 +127,7 @@ def distilled(request, pair, tmp_path_factory):
   return {"kind": request.param, "delta": d, "before": before, "info": info}
 
 
+@pytest.mark.slow
 def test_distillation_lowers_held_out_mse_and_trains_factors(distilled):
   info = distilled["info"]
   assert info["held_mse_after"] < info["held_mse_before"]

@@ -215,6 +215,7 @@ def _api_case(rng, dtype):
                                  lane_len=jnp.asarray(lane_len), blocks=blocks, block_pages=2)
 
 
+@pytest.mark.slow
 def test_api_runs_prompt_chunks_through_the_prefill_kernel_and_lanes_through_decode():
   q, k_pool, v_pool, kw = _api_case(np.random.default_rng(3), jnp.bfloat16)
   args = (jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), 1)

@@ -261,6 +261,7 @@ def test_rescale_options_match_the_tree_function(ckpts, tmp_path, method, extra,
   assert info["rescale"] == {"ties": "l1", "dare-linear": "density", "dare-ties": None}[method]
 
 
+@pytest.mark.slow
 def test_dare_default_rescale_is_mergekit_l1(ckpts, tmp_path):
   root, base, models = ckpts
   got = _merge(root, "dare-linear", tmp_path / "d", "--density", "0.5")

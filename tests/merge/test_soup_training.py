@@ -77,6 +77,7 @@ def test_schedule_validates():
   assert s.is_merge(16) and not s.is_merge(12) and not SoupSchedule("none").is_merge(16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", METHODS)
 def test_each_method_merges_at_its_steps(nano, method):
   run = _run(nano, method, steps=8, every=4, window=2)
