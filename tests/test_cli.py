@@ -96,6 +96,7 @@ def test_replacing_a_previous_delta_works(pair, tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["delta"]
 
 
+@pytest.mark.slow
 def test_orphaned_temp_dir_of_a_dead_process_is_removed(pair, tmp_path):
   """`kill -9` during compress leaves its temporary directory; the next run removes it."""
   out = tmp_path / "delta"

@@ -61,6 +61,7 @@ def test_nt_matches_float64_product(targets, build, m, k, n):
   _check(x, e, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", list(BUILDS))
 @pytest.mark.parametrize("m", [1, 5, 16])
 def test_nt_on_the_smollm2_head_shape(targets, build, m):

@@ -93,6 +93,7 @@ def test_svd_needs_a_validation_loss(nano):
                SoupSchedule("svd", every=2, window=1))
 
 
+@pytest.mark.slow
 def test_none_equals_plain_training(nano):
   run = _run(nano, "none", steps=3, every=1, window=1)
   model = nnx.merge(nano["graphdef"], soup_training.copy_tree(nano["params"]), nano["rest"])
@@ -140,6 +141,7 @@ def test_monosoup_matches_numpy_at_the_merge_step(nano):
   assert moved > 0
 
 
+@pytest.mark.slow
 def test_svd_soup_matches_numpy_at_the_merge_step(nano):
   record, rank = [], 2
   run = _run(nano, "svd", steps=4, every=4, window=2, rank=rank, record=record)
