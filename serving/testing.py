@@ -75,3 +75,15 @@ def poison_array(delta_dir: str | Path, tensor: str, field: str, value: float) -
   arrays[field] = write_array(path, a)
   (d / MANIFEST).write_text(json.dumps(m, indent=1))
   return d
+
+
+def wait_for(cond, what: str, timeout: float = 30.0, every: float = 0.02) -> None:
+  """Polls ``cond()`` until it holds; fails (AssertionError naming ``what``) after ``timeout``
+  seconds. For state a server settles a moment after a client has its response (the engine's
+  gauges, the registry's in-flight counts, slots)."""
+  import time
+
+  t0 = time.monotonic()
+  while not cond():
+    assert time.monotonic() - t0 < timeout, what
+    time.sleep(every)

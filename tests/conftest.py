@@ -21,8 +21,10 @@ count before and after the cleanup to ``path``.
 
 Tiers (markers, pyproject.toml): ``slow`` marks what a developer can leave out for a quick run
 (``pytest -m "not slow"``): a module that starts servers, subprocesses or the real model says
-so with ``pytestmark``, a test that took 4 s or more in a full run (``--durations``) with
-``@pytest.mark.slow``. ``server``, ``mesh`` and ``real_model`` say which. CI runs everything.
+so with ``pytestmark``, a test that took about 2 s or more in a quick run (``--durations``)
+with ``@pytest.mark.slow``. ``server``, ``mesh`` and ``real_model`` say which (each implies
+``slow``; tests using the ``serve`` or ``mesh_worker`` fixtures get theirs here). CI runs
+everything.
 """
 
 import gc
@@ -69,6 +71,7 @@ def pytest_unconfigure(config):
   if os.environ.get(_OWNER) == str(os.getpid()):
     shutil.rmtree(os.environ["BITDELTA_COMPILE_CACHE"], ignore_errors=True)
 
+
 def _mappings() -> int:
   try:
     with open("/proc/self/maps", "rb") as f:
@@ -110,7 +113,6 @@ _LONGEST_FIRST = (
   "serving/test_kmerge_serving.py", "serving/test_variant_vocab.py",
   "serving/test_lora_serving.py", "serving/test_openai_lm_eval.py",
 )
-
 
 # a test that uses one of these fixtures is in that tier; every tier is also `slow`
 _TIER_OF_FIXTURE = {"serve": "server", "mesh_worker": "mesh"}

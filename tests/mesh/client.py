@@ -9,7 +9,6 @@ A job's exception is raised here with the worker's traceback and the tail of its
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -28,8 +27,7 @@ class MeshWorker:
     self._lock = threading.Lock()
     self._log = open(log, "w")  # noqa: SIM115  closed by `close`
     self._proc = subprocess.Popen([sys.executable, str(WORKER)], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                  env=dict(os.environ))
+                                  stdout=subprocess.PIPE, stderr=self._log, text=True)
     self._ready = None
 
   def _read(self) -> dict:

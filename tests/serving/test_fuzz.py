@@ -11,14 +11,13 @@ over fixed bodies, and each hostile class's expected answers come from explicit 
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from serving.testing import synthetic_family
+from serving.testing import synthetic_family, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
@@ -115,17 +114,15 @@ VALID = [
 ]
 
 
-def idle_health(session, url: str, timeout: float = 10.0) -> dict:
+def idle_health(session, url: str) -> dict:
   """/health once no row is active and nothing is queued. The engine thread sets its gauges
   (`Engine._gauges`) once per loop, after the step whose last token a client may already have
   read, so a /health right after a response can still count its row (seen under 2 xdist
-  workers); a leaked row or request never gets to zero and fails after ``timeout``."""
-  t0 = time.monotonic()
-  while True:
-    h = session.get(url + "/health", timeout=10).json()
-    if (h["active_rows"] == 0 and h["queue_depth"] == 0) or time.monotonic() - t0 > timeout:
-      return h
-    time.sleep(0.05)
+  workers); a leaked row or request never gets to zero and fails after 10 s."""
+  get = lambda: session.get(url + "/health", timeout=10).json()  # noqa: E731
+  wait_for(lambda: (h := get())["active_rows"] == 0 and h["queue_depth"] == 0,
+           "no active rows and an empty queue", 10, every=0.05)
+  return get()
 
 
 @pytest.mark.parametrize("chat,body", VALID)

@@ -25,7 +25,7 @@ import requests
 
 from serving.app import BadVariantsError, ServerThread
 from serving.config import ConfigError, ServerConfig
-from serving.testing import corrupt_arrays, synthetic_family
+from serving.testing import corrupt_arrays, synthetic_family, wait_for
 
 BAD = ("gone", "otherbase", "corrupt", "badmanifest")
 
@@ -324,12 +324,6 @@ def test_request_accepted_before_delete_completes_even_when_it_waits_for_a_slot(
     t = threading.Thread(target=lambda: results.__setitem__(key, fn()))
     t.start()
     return t
-
-  def wait_for(cond, what, timeout=30):
-    t0 = time.time()
-    while not cond():
-      assert time.time() - t0 < timeout, what
-      time.sleep(0.01)
 
   # v0 holds the only slot: a long stream, its first token read
   stream = requests.post(server.url + "/v1/completions", stream=True, timeout=60, json={

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from serving.testing import synthetic_family
+from serving.testing import synthetic_family, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
@@ -72,12 +72,6 @@ def slots_in_use(h) -> list[int]:
   return [s["in_use"] for s in requests.get(h.url + "/v1/variants", timeout=10).json()[
     "device_slots"]["slots"]]
 
-
-def wait_for(cond, what: str, timeout: float = 30.0) -> None:
-  t0 = time.time()
-  while not cond():
-    assert time.time() - t0 < timeout, what
-    time.sleep(0.02)
 
 
 # prompt lengths 1, page_size - 1, page_size + 1, 2 page_size + 1 (HEADER's pages are cached
