@@ -58,7 +58,7 @@ def cmd_compress(args) -> int:
 
   m = compress_checkpoints(args.base, args.finetuned, args.out, _policy(args),
                            overwrite=args.overwrite, progress=not args.quiet,
-                           embeddings=args.embeddings)
+                           embeddings=args.embeddings, base_source=args.base_source)
   _print_pair_messages(m)
   if not args.quiet:
     print(Report.from_dict(m["report"]).format(max_rows=None if args.verbose else 30))
@@ -73,7 +73,11 @@ def cmd_compress(args) -> int:
 
 def cmd_apply(args) -> int:
   from bitdelta_jax.delta.stream import apply_checkpoint
+  from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+  from bitdelta_jax.hf.lineage import establish
 
+  if args.base_source:
+    establish(resolve_base(args.base), args.base_source)
   out = apply_checkpoint(args.base, args.delta, args.out, overwrite=args.overwrite,
                          progress=not args.quiet)
   if not args.quiet:
@@ -152,7 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
   c = sub.add_parser("compress", help="compress an HF fine-tune against its base into 1-bit deltas",
                      description="Compress an HF fine-tune against its base into a delta directory "
                      "(1-bit signs and scales of the linear layers, other changed tensors exactly).")
-  c.add_argument("--base", required=True, metavar="DIR", help="HF base checkpoint directory")
+  c.add_argument("--base", required=True, metavar="DIR",
+                 help="the base: an HF checkpoint directory or a GGUF file (Q8_0 / Q4_0 / Q4_1)")
+  c.add_argument("--base-source", metavar="DIR",
+                 help="with a GGUF --base: the unquantized HF checkpoint it was quantized from "
+                      "(checked once: every tensor within its format's rounding). Δ is then taken against it: the delta stores no rounding and "
+                      "serves over it and every GGUF quantized from it (bitdelta quantize "
+                      "records its source itself)")
   c.add_argument("--finetuned", required=True, metavar="DIR",
                  help="HF fine-tuned checkpoint directory (same architecture as --base)")
   c.add_argument("--out", required=True, metavar="DIR",
@@ -201,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "checkpoint directory that transformers loads.")
   a.add_argument("--base", required=True, metavar="DIR",
                  help="HF base checkpoint directory the delta was made for")
+  a.add_argument("--base-source", metavar="DIR",
+                 help="with a GGUF --base: the unquantized HF checkpoint it was quantized from "
+                      "(checked once: every tensor within its format's rounding); a delta compressed against it then applies over the file")
   a.add_argument("--delta", required=True, metavar="DIR", help="delta directory (from compress)")
   a.add_argument("--out", required=True, metavar="DIR",
                  help="checkpoint directory to create (an existing one is replaced only with "

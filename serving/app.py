@@ -547,13 +547,24 @@ def check_port(host: str, port: int) -> None:
 def with_gguf_base(cfg: ServerConfig) -> ServerConfig:
   """``cfg`` with a ``.gguf`` base replaced by its metadata directory (config, tokenizer and a
   pointer to the file: `bitdelta_jax.hf.gguf_checkpoint.resolve_base`); others as they are."""
-  if not str(cfg.base).endswith(".gguf"):
-    return cfg
-  from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+  from bitdelta_jax.hf.gguf_checkpoint import is_gguf_dir, resolve_base
 
-  if not Path(cfg.base).is_file():
-    raise ConfigError(f"base: {cfg.base} does not exist")
-  return dataclasses.replace(cfg, base=str(resolve_base(cfg.base)))
+  if str(cfg.base).endswith(".gguf"):
+    if not Path(cfg.base).is_file():
+      raise ConfigError(f"base: {cfg.base} does not exist")
+    cfg = dataclasses.replace(cfg, base=str(resolve_base(cfg.base)))
+  if cfg.base_source is not None:
+    from bitdelta_jax.hf.lineage import LineageError, establish
+
+    if not is_gguf_dir(cfg.base):
+      raise ConfigError(f"base_source: applies to a GGUF base; {cfg.base} is a checkpoint "
+                        "directory")
+    try:
+      rec = establish(cfg.base, cfg.base_source)
+    except LineageError as e:
+      raise ConfigError(f"base_source: {e}") from None
+    log.info("base source: %s", rec["how"])
+  return cfg
 
 
 def check_base_dir(cfg: ServerConfig) -> None:

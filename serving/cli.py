@@ -28,7 +28,7 @@ _FIELDS = {
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
-  "extra_vocab": "extra_vocab", "kmerge_pool": "kmerge_pool",
+  "extra_vocab": "extra_vocab", "kmerge_pool": "kmerge_pool", "base_source": "base_source",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
@@ -43,6 +43,11 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--base", required=require_base, metavar="DIR",
                  help="base model: an HF directory with tokenizer.json, or a GGUF file (Q8_0, "
                       "Q4_0, Q4_1 tensors served as stored)")
+  p.add_argument("--base-source", metavar="DIR",
+                 help="with a GGUF --base made elsewhere: the unquantized HF checkpoint it was "
+                      "quantized from (checked once, every tensor within its format's "
+                      "rounding); deltas compressed against that checkpoint then serve over "
+                      "the file. A GGUF written by `bitdelta quantize` records its source itself")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=DELTA_DIR",
                  help="serve a variant: a delta directory or a PEFT LoRA adapter (repeatable)")
   p.add_argument("--kmerge-pool", metavar="POOL_DIR",
@@ -213,6 +218,10 @@ def default_max_seq_len(base) -> int:
   """``max_seq_len`` when none is given: 2048, or the base's context if shorter (its
   ``max_position_embeddings``; a longer setting is refused at start-up)."""
   try:
+    if str(base).endswith(".gguf") and Path(base).is_file():  # its metadata directory's config
+      from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+
+      base = resolve_base(base)
     ctx = json.loads((Path(base) / "config.json").read_text()).get("max_position_embeddings")
   except (OSError, ValueError):  # no base there: the start-up check names the problem
     return DEFAULT_MAX_SEQ_LEN

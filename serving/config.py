@@ -46,6 +46,9 @@ class ServerConfig:
   # a saved K-Merge pool (`bitdelta kmerge build`): each member is served from one LoRA slot
   # (as the variant named by its id), each task of its routing is a model answered by its member
   kmerge_pool: str | None = None
+  # a GGUF base's unquantized source checkpoint (`bitdelta_jax.hf.lineage`): deltas compressed
+  # against it serve over the file; checked once per file and recorded beside its metadata
+  base_source: str | None = None
   base_name: str | None = None  # the base's model id; default: the base directory's name
   host: str = "127.0.0.1"
   port: int = 8000

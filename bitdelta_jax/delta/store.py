@@ -309,34 +309,65 @@ def fingerprint(tensors: Mapping[str, tuple[tuple[int, ...], str, int | None]], 
 
 
 def describe_base(base_fp: dict) -> str:
-  """``"a GGUF base (FILE: q4_1 ×210, ...)"`` or ``"an unquantized base"``."""
+  """``"a GGUF base (FILE: q4_1 ×210, ...)"`` or ``"an unquantized checkpoint"``."""
   q = base_fp.get("quantization")
   if not q:
-    return "an unquantized base"
+    return "an unquantized checkpoint"
   formats = ", ".join(f"{f} ×{n}" for f, n in q.get("formats", {}).items())
   return f"a GGUF base ({q.get('file')}: {formats})"
 
 
+def is_portable(manifest: dict, base_fp: dict) -> bool:
+  """Whether the delta was made against the base's source checkpoint (a GGUF quantized from
+  it, `bitdelta_jax.hf.lineage`) rather than the base's own values: its base tensors' CRCs are
+  the source's, checked when the lineage was established, not those of this base."""
+  src = base_fp.get("source")
+  return bool(src) and manifest["base"].get("digest") == src.get("digest") and \
+    manifest["base"].get("digest") != base_fp.get("digest")
+
+
 def check_base(manifest: dict, base_fp: dict, *, where: str = "delta"):
-  """Raises `DeltaMismatchError` naming the first tensor where the base differs."""
+  """Raises `DeltaMismatchError` naming the first tensor where the base differs, and the fix.
+  A delta made against the base itself, or against the checkpoint a GGUF base was quantized
+  from (`is_portable`), passes."""
   want = manifest["base"]
-  if want.get("digest") == base_fp.get("digest"):
+  if want.get("digest") == base_fp.get("digest") or is_portable(manifest, base_fp):
     return
+  fix = _base_fix(want, base_fp)
   wt, bt = want["tensors"], base_fp["tensors"]
   for n in wt:
     if n not in bt:
-      raise DeltaMismatchError(f"{where} was made for a different base: tensor {n!r} is missing")
+      raise DeltaMismatchError(f"{where} was made for a different base: tensor {n!r} is "
+                               f"missing{fix}")
     for key in ("shape", "dtype", "crc32"):
       a, b = wt[n][key], bt[n][key]
       if a is not None and b is not None and a != b:
         raise DeltaMismatchError(
           f"{where} was made for a different base: tensor {n!r} {key} is {b} in this base, "
           f"{a} in the delta's base (the delta's: {describe_base(want)}; this one: "
-          f"{describe_base(base_fp)})"
+          f"{describe_base(base_fp)}){fix}"
         )
   extra = sorted(set(bt) - set(wt))
   if extra:
-    raise DeltaMismatchError(f"{where} was made for a different base: base has extra tensors {extra[:5]}")
+    raise DeltaMismatchError(f"{where} was made for a different base: base has extra tensors "
+                             f"{extra[:5]}{fix}")
+
+
+def _base_fix(want: dict, base_fp: dict) -> str:
+  """How to make a delta and a base agree, for `check_base`'s message."""
+  if want.get("quantization"):
+    return (f". The delta was compressed against {describe_base(want)}: serve it over that "
+            f"file, or compress the fine-tune against the unquantized checkpoint that file was "
+            f"made from (such a delta serves over it and over every GGUF quantized from it)")
+  src = base_fp.get("source")
+  if base_fp.get("quantization") and src:
+    return (f". This GGUF was quantized from {src['name']} ({src['how']}), not from the "
+            f"delta's base: compress the fine-tune against {src['name']} or against this file")
+  if base_fp.get("quantization"):
+    return (". If this GGUF was quantized from the delta's base, say so with --base-source "
+            "DIR (the unquantized checkpoint; it is checked and recorded once); otherwise "
+            "compress the fine-tune against this file or its source")
+  return ". Compress the fine-tune against this base, or serve the delta over its own base"
 
 
 def update_scales(path: str | os.PathLike, scales: Mapping[str, np.ndarray],

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 import shutil
 import zlib
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from bitdelta_jax.delta.store import (
   DeltaWriter,
   check_base,
   crc32,
+  is_portable,
   fingerprint,
   load_entry,
   read_manifest,
@@ -289,6 +291,7 @@ def pair_warnings(norm_ratios: dict[str, float], grown_rows: dict[str, tuple[int
 def compress_checkpoints(
   base_dir, ft_dir, out_dir, policy: CompressPolicy = CompressPolicy(), *, overwrite: bool = False,
   progress: bool = True, extra: dict | None = None, embeddings: str = "auto",
+  base_source=None,
 ) -> dict:
   """Compresses an HF fine-tune against its HF base into a delta directory; returns the manifest.
 
@@ -308,8 +311,35 @@ def compress_checkpoints(
   exactly in the low-rank modes (which still measure and record the 1-bit error). The
   manifest's ``embeddings`` is what was done ("1bit" when any vocabulary matrix is 1-bit),
   ``embeddings_choice`` says per tensor which and why. Added tokens' rows of a grown vocabulary
-  are always kept exactly."""
+  are always kept exactly.
+
+  A GGUF base (`bitdelta_jax.hf.lineage`): with ``base_source`` (the unquantized checkpoint the
+  file was quantized from; checked once, `lineage.establish`) Δ is taken against the source,
+  so the delta stores no rounding and serves over the source and every GGUF quantized from it.
+  Without one, Δ is taken against the file's dequantized blocks, and a tensor of the fine-tune
+  that quantizes to exactly the file's blocks (`GGUFCheckpoint.requantizes_same`) is kept as
+  the base's ("same": an unchanged embedding costs nothing)."""
   base_dir = resolve_base(base_dir)  # FILE.gguf: Δ against its dequantized blocks
+  pre_notes = []
+  if base_source is not None:
+    from bitdelta_jax.hf import lineage
+
+    if not is_gguf_dir(base_dir):
+      raise ValueError(f"--base-source applies to a GGUF --base; {base_dir} is a checkpoint "
+                       "directory (compress against it directly)")
+    rec = lineage.establish(base_dir, base_source)
+    pre_notes.append(f"Δ taken against {rec['name']}, the checkpoint "
+                     f"{quantization(base_dir)['file']} was quantized from ({rec['how']}): "
+                     f"serves over it and over every GGUF quantized from it")
+    base_dir = Path(base_source)
+  elif is_gguf_dir(base_dir):
+    from bitdelta_jax.hf import lineage
+
+    rec = lineage.source_of(base_dir)
+    if rec:
+      pre_notes.append(f"{quantization(base_dir)['file']} was quantized from {rec['name']}: "
+                       f"pass --base-source DIR (that checkpoint) to take Δ against it instead "
+                       f"(the base's rounding not stored; serves over every quantization)")
   if embeddings not in EMBEDDINGS_MODES:
     raise ValueError(f"embeddings must be one of {', '.join(map(repr, EMBEDDINGS_MODES))}, "
                      f"got {embeddings!r}")
@@ -318,6 +348,8 @@ def compress_checkpoints(
   with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
     lines, fp, norm_ratios, choices = [], {}, {}, {}
+    requantizes = getattr(base, "requantizes_same", None)  # a GGUF base without its source
+    same_blocks: list[tuple[str, int]] = []
     with DeltaWriter(out_dir, overwrite=overwrite) as w:
       desc = "compress" if policy.mode == "bitdelta" else f"compress ({policy.mode})"
       with tqdm(ft.names(), desc=desc, unit="tensor", disable=not progress) as bar:
@@ -328,6 +360,13 @@ def compress_checkpoints(
             entry = Dense("value", ft.read(name))
             line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
                                 entry.nbytes, 0.0, note="not in base")
+          elif requantizes is not None and requantizes(name, ft):
+            crc.update(base.read(name, copy=False))
+            entry = Dense("same")
+            fmt = base.formats[name]
+            line = TensorReport(name, "same", info.shape, info.dtype.name, info.nbytes, 0, 0.0,
+                                note=f"requantizes to the base's {fmt} blocks")
+            same_blocks.append((name, info.nbytes))
           elif policy.is_linear(name, len(info.shape)) and base.info(name).shape == info.shape:
             entry, line = _compress_linear(name, base, ft, policy, crc, norm_ratios)
           elif (embeddings != "exact" and policy.is_vocab(name) and len(info.shape) == 2
@@ -353,6 +392,13 @@ def compress_checkpoints(
           w.add(name, entry, hf_shape=info.shape)
           lines.append(line)
       warnings, notes = pair_warnings(norm_ratios, grown_rows)
+      notes = pre_notes + notes
+      if same_blocks:
+        notes.append(
+          f"{len(same_blocks)} tensor(s) of the fine-tune ({sum(b for _, b in same_blocks) / 1e6:.1f}"
+          f" MB) quantize to exactly the base's own blocks (llama.cpp's reference quantizer): "
+          f"kept as the base's, no bytes ({', '.join(n for n, _ in same_blocks[:3])}"
+          f"{', ...' if len(same_blocks) > 3 else ''})")
       tok = keep_tokenizer(base_dir, ft_dir, w.tmp)
       if tok:
         notes.append(f"the fine-tune's tokenizer / chat template differ from the base's; kept "
@@ -427,12 +473,25 @@ def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
   base_dir = resolve_base(base_dir)
   cached = Path(base_dir) / "dequantized_fingerprint.json"
   if content and cached.is_file():
-    return json.loads(cached.read_text())
-  fp = _fingerprint_tensors(base_dir, content)
-  if content and is_gguf_dir(base_dir):
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps(fp))
-    tmp.replace(cached)
+    fp = json.loads(cached.read_text())
+  else:
+    fp = _fingerprint_tensors(base_dir, content)
+    if content and is_gguf_dir(base_dir):
+      tmp = cached.with_suffix(".tmp")
+      tmp.write_text(json.dumps(fp))
+      tmp.replace(cached)
+  return with_source(fp, base_dir)
+
+
+def with_source(fp: dict, base_dir) -> dict:
+  """``fp`` with the GGUF base's source (`bitdelta_jax.hf.lineage`), if one is known:
+  ``"source": {"name", "digest", "how"}``, what lets a delta made against that source load."""
+  from bitdelta_jax.hf import lineage
+
+  src = lineage.source_of(base_dir) if is_gguf_dir(base_dir) else None
+  if src:
+    fp = {**fp, "source": {"name": src["name"], "digest": src["fingerprint"]["digest"],
+                           "how": src["how"]}}
   return fp
 
 
@@ -466,11 +525,43 @@ def keep_tokenizer(base_dir, ft_dir, out_dir) -> list[str]:
   base_dir, ft_dir = Path(base_dir), Path(ft_dir)
   kept = [f for f in TOKENIZER_FILES if (ft_dir / f).is_file() and (
     not (base_dir / f).is_file() or (ft_dir / f).read_bytes() != (base_dir / f).read_bytes())]
+  if kept and same_tokenizer(base_dir, ft_dir):
+    return []  # other bytes, same tokenizer (e.g. a GGUF base's files, written from its metadata)
   if kept:
     (Path(out_dir) / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
   for f in kept:
     shutil.copy2(ft_dir / f, Path(out_dir) / TOKENIZER_DIR / f)
   return kept
+
+
+_PROBE = ("Hello, world! The capital of France is Paris. 12345 + 678 = 13023.\n"
+          "def f(x):\n\treturn x ** 2  # çà 日本語 🙂 <|im_start|>user\n")
+
+
+def same_tokenizer(base_dir, ft_dir) -> bool:
+  """Whether two directories hold the same tokenizer by content: vocabulary with added tokens
+  (ids and special flags), the encoding of a probe text, special tokens, chat template and
+  generation stop ids (files may differ in bytes: key order, a template moved to
+  ``chat_template.jinja``, a GGUF base's files written from its metadata)."""
+  from bitdelta_jax.models.tokenizer import Tokenizer, TokenizerError
+
+  try:
+    a, b = Tokenizer.from_dir(base_dir), Tokenizer.from_dir(ft_dir)
+  except (TokenizerError, OSError, ValueError):
+    return False
+
+  def vocab(t):  # without the placeholders a GGUF names the embedding's unused rows
+    return {k: v for k, v in t.tok.get_vocab(with_added_tokens=True).items()
+            if not re.fullmatch(r"\[PAD\d+\]", k)}
+
+  def added(t):
+    return sorted((i, x.content, x.special) for i, x in t.tok.get_added_tokens_decoder().items()
+                  if not re.fullmatch(r"\[PAD\d+\]", x.content))
+
+  return (vocab(a) == vocab(b) and added(a) == added(b)
+          and a.encode(_PROBE, add_special_tokens=True) == b.encode(_PROBE, add_special_tokens=True)
+          and a.special_tokens == b.special_tokens and a.chat_template == b.chat_template
+          and a.stop_token_ids == b.stop_token_ids)
 
 
 def tokenizer_dir(delta_dir, manifest: dict | None = None) -> Path | None:
@@ -501,9 +592,12 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
   base_dir = resolve_base(base_dir)
   with CheckpointReader(base_dir) as base:
     # Cheap structural check first (names, shapes, dtypes); content crc is checked per tensor.
-    structural = fingerprint({n: (base.info(n).shape, base.info(n).dtype.name, None)
-                              for n in base.names()})
+    structural = with_source(fingerprint({n: (base.info(n).shape, base.info(n).dtype.name, None)
+                                          for n in base.names()}), base_dir)
     check_base(manifest, structural, where=str(delta_dir))
+    # a delta made against a GGUF base's source: its CRCs are the source's (checked when the
+    # lineage was established), the values applied to are the file's
+    portable = is_portable(manifest, structural)
     tensors = manifest["tensors"]
     for n, meta in tensors.items():  # fail before writing anything if an array is missing
       for field in meta["arrays"]:
@@ -539,7 +633,7 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
             if n in base:
               b = base.read(n)
               want = manifest["base"]["tensors"][n]["crc32"]
-              if want is not None and crc32(b) != want:
+              if want is not None and not portable and crc32(b) != want:
                 raise DeltaMismatchError(
                   f"{delta_dir} was made for a different base: tensor {n!r} content differs "
                   f"(crc32 {crc32(b)} vs {want})"

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.hf import gguf_import
+from bitdelta_jax.hf import gguf_import, lineage
 from bitdelta_jax.hf.gguf_import import GGUFImportError
 from pallas_kernels.quant_matmul import blocks
 
@@ -202,6 +202,7 @@ def write_metadata_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
   try:
     gguf_import.write_config_files(base._reader, tmp)
+    lineage.record_from_file(base._reader, tmp, base.path.name)  # `bitdelta quantize`'s source
     gguf_import.dump_json(tmp / GGUF_BASE_FILE, {
       "gguf": str(base.path.resolve()),
       "size": base.path.stat().st_size,

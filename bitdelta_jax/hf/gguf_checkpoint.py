@@ -108,5 +108,30 @@ class GGUFCheckpoint(CheckpointReader):
       arr = arr.reshape(1)
     return arr[start:min(stop, arr.shape[0])].copy()
 
+  def requantizes_same(self, name: str, ft: CheckpointReader) -> bool:
+    """Whether the fine-tune's tensor ``name`` quantizes (llama.cpp's reference quantizer, this
+    file's format) to exactly the blocks this file stores: then the file already holds it as
+    well as its format can, and a delta keeps it as the base's ("same", no bytes). That is how
+    a tensor the fine-tune left unchanged (an embedding, say) is told from the base's rounding
+    without the source checkpoint. Compared a block of rows at a time; False at the first
+    difference, for a non-block format, or for another shape."""
+    from bitdelta_jax.hf.gguf_export import permute_rows
+    from pallas_kernels.quant_matmul.blocks import FORMATS, quantize_rows
+
+    fmt = self.formats.get(name)
+    if fmt not in FORMATS or name not in ft or ft.info(name).shape != self.info(name).shape:
+      return False
+    n, k = self.info(name).shape
+    stored = self.base._stored(name).reshape(n, -1)  # file order: q/k rows permuted
+    heads = self.base._heads(name)
+    step = n if heads else max(1, (1 << 20) // k)
+    for r0 in range(0, n, step):
+      w = np.asarray(ft.read_rows(name, r0, r0 + step), np.float32)
+      if heads:
+        w = permute_rows(w, heads)
+      if not np.array_equal(quantize_rows(w, fmt), stored[r0:r0 + step]):
+        return False
+    return True
+
   def close(self) -> None:
     self._last = None

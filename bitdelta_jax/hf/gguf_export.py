@@ -74,13 +74,33 @@ def permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
   )
 
 
-def _check_config(cfg: dict[str, Any]) -> None:
+def _check_config(cfg: dict[str, Any]) -> float:
+  """Refuses what this writer does not export; returns the RoPE base frequency, read as the
+  model loader reads it (`models.config`: transformers 5's ``rope_parameters``, 4's
+  ``rope_theta`` + ``rope_scaling``)."""
   if cfg.get("model_type") != "llama":
     raise GGUFExportError(f"model_type {cfg.get('model_type')!r}: only 'llama' is exported")
-  if cfg.get("rope_scaling"):
-    raise GGUFExportError(f"rope_scaling {cfg['rope_scaling']!r}: not exported")
   if cfg.get("attention_bias") or cfg.get("mlp_bias"):
     raise GGUFExportError("attention / MLP biases: not exported")
+  return _rope_theta(cfg)
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+  """The RoPE base frequency as `models.config` reads it; scaled RoPE (in either spelling)
+  is refused."""
+  from bitdelta_jax.models.config import ConfigError, _rope_from_hf
+
+  try:
+    rope = _rope_from_hf(cfg)
+  except ConfigError as e:
+    raise GGUFExportError(f"config.json: {e}") from None
+  scaling = cfg.get("rope_scaling") or {}
+  kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) \
+    else scaling
+  if rope.rope_type != "default" or kind != "default":
+    name = rope.rope_type if rope.rope_type != "default" else kind
+    raise GGUFExportError(f"RoPE scaling {name!r} (rope_scaling / rope_parameters): not exported")
+  return float(rope.theta)
 
 
 def _pre_name(pre: dict | None) -> str:
@@ -146,12 +166,46 @@ def tokenizer_metadata(hf_dir: str | os.PathLike, vocab_size: int) -> dict[str, 
     "pre": _pre_name(tj.get("pre_tokenizer")),
     "add_bos_token": bool(tc.get("add_bos_token", False)),
     "add_eos_token": bool(tc.get("add_eos_token", False)),
-    "chat_template": tc.get("chat_template"),
+    "chat_template": _chat_template(d),
   }
+  special = _special_tokens(d, tc)
   for key, name in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
-    tid = token_id(tc.get(f"{key}_token"))
+    tid = token_id(special.get(key))
+    if tid is None and isinstance(special.get(f"{key}_id"), int):
+      tid = special[f"{key}_id"]
     if tid is not None:
       out[f"{name}_token_id"] = tid
+  return out
+
+
+def _chat_template(d: Path) -> str | None:
+  """The chat template wherever the tokenizer keeps it, as `models.tokenizer.Tokenizer` reads
+  it: ``chat_template.jinja`` (transformers 5), else ``tokenizer_config.json``'s
+  ``chat_template`` (a string, or named templates: "default")."""
+  from bitdelta_jax.models.tokenizer import Tokenizer
+
+  return Tokenizer.from_dir(d).chat_template
+
+
+def _special_tokens(d: Path, tc: dict) -> dict[str, Any]:
+  """BOS / EOS / UNK / PAD: ``tokenizer_config.json``'s, else ``special_tokens_map.json``'s;
+  EOS and BOS ids from ``generation_config.json`` / ``config.json`` where neither names them."""
+  out: dict[str, Any] = {}
+  stm = d / "special_tokens_map.json"
+  smap = json.loads(stm.read_text()) if stm.is_file() else {}
+  for key in ("bos", "eos", "unk", "pad"):
+    v = tc.get(f"{key}_token") or smap.get(f"{key}_token")
+    if v is not None:
+      out[key] = v
+  for fname in ("generation_config.json", "config.json"):
+    f = d / fname
+    cfg = json.loads(f.read_text()) if f.is_file() else {}
+    for key in ("bos", "eos"):
+      tid = cfg.get(f"{key}_token_id")
+      if isinstance(tid, list) and tid:
+        tid = tid[0]
+      if isinstance(tid, int) and f"{key}_id" not in out:
+        out[f"{key}_id"] = tid
   return out
 
 
@@ -171,8 +225,12 @@ def file_type(dtype: str):
     gguf.LlamaFileType, f"MOSTLY_{dtype.upper()}")
 
 
-def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name: str) -> None:
+def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name: str,
+                  rope_theta: float | None = None, source: tuple[str, dict] | None = None
+                  ) -> None:
   import gguf
+
+  from bitdelta_jax.hf import lineage
 
   hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
   head_dim = cfg.get("head_dim") or hidden // heads
@@ -187,7 +245,7 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
   w.add_rope_dimension_count(head_dim)
-  w.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+  w.add_rope_freq_base(_rope_theta(cfg) if rope_theta is None else rope_theta)
   w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
   w.add_vocab_size(cfg["vocab_size"])
   w.add_file_type(file_type(dtype))
@@ -213,6 +271,9 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
       add(tok[key])
   if tok["chat_template"]:
     w.add_chat_template(tok["chat_template"])
+  if source is not None:  # the checkpoint these weights came from (`bitdelta_jax.hf.lineage`)
+    w.add_string(lineage.SOURCE_NAME_KEY, source[0])
+    w.add_string(lineage.SOURCE_KEY, json.dumps(source[1], sort_keys=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +350,7 @@ def write_gguf(
   dtype: str = "f32",
   name: str | None = None,
   overwrite: bool = True,
+  record_source: bool = True,
 ) -> Path:
   """Writes ``hf_dir``'s model (safetensors, one file or sharded) as a GGUF at ``out_path``;
   returns the path.
@@ -298,6 +360,9 @@ def write_gguf(
     name: ``general.name`` (default: the directory's name).
     overwrite: replace an existing ``out_path``; False refuses one (`FileExistsError`), also
       one that appears while writing.
+    record_source: write ``hf_dir``'s content fingerprint into the file's metadata
+      (`bitdelta_jax.hf.lineage`: deltas compressed against ``hf_dir`` then serve over the
+      file). Costs one extra read of the checkpoint.
 
   The file is written beside ``out_path`` under a temporary name and renamed into place when
   complete: a failed or interrupted write leaves no partial file at ``out_path``.
@@ -322,15 +387,21 @@ def write_gguf(
   if not overwrite and out.exists():
     raise FileExistsError(f"{out} exists (not replaced)")
   cfg = json.loads((d / "config.json").read_text())
-  _check_config(cfg)
+  rope_theta = _check_config(cfg)
   tok = tokenizer_metadata(d, cfg["vocab_size"])
+  source = None
+  if record_source:
+    from bitdelta_jax.delta.stream import fingerprint_checkpoint
+
+    fp = fingerprint_checkpoint(d)
+    source = (d.resolve().name, {"tensors": fp["tensors"], "digest": fp["digest"]})
   with CheckpointReader(d) as reader:
     plan = _plan(reader, cfg, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.partial")  # mode from the umask
     w = gguf_writer(str(tmp))
     try:
-      _add_metadata(w, cfg, tok, dtype, name or d.name)
+      _add_metadata(w, cfg, tok, dtype, name or d.name, rope_theta, source)
       for t in plan:  # the tensor table first: every size is known without reading a tensor
         if t.dtype == "f32":
           w.add_tensor_info(t.gguf_name, t.shape, np.dtype(np.float32), t.nbytes)

@@ -99,6 +99,12 @@ class Tokenizer:
     cfg_file = find("tokenizer_config.json")
     if cfg_file.exists():
       config = json.loads(cfg_file.read_text())
+    smap_file = find("special_tokens_map.json")  # where tokenizer_config names none
+    if smap_file.exists():
+      smap = json.loads(smap_file.read_text())
+      for k in ("bos_token", "eos_token", "unk_token", "pad_token"):
+        if config.get(k) is None and smap.get(k) is not None:
+          config[k] = smap[k]
     template = None
     jinja_file = path / "chat_template.jinja"
     if not jinja_file.exists() and fallback is not None and not (path / "tokenizer_config.json").exists():

@@ -126,15 +126,20 @@ def test_variant_over_quantized_base_equals_applied_checkpoint(quantized, tiny):
 
 
 def test_delta_for_another_base_is_refused_naming_both(quantized, tiny):
-  fmt, path, _ = quantized
+  """A GGUF whose source is unknown (made elsewhere: no lineage recorded) refuses a delta made
+  against the unquantized base, naming both and the fix (tests/models/test_portable_deltas.py:
+  with the source recorded or checked, the same delta serves)."""
+  fmt, _, _ = quantized
   d = tiny[0]
+  path = write_gguf(d / "base", d / f"unrecorded-{fmt}.gguf", dtype=fmt, record_source=False)
   unquantized = d / "delta-f32-base"
   if not unquantized.exists():
     compress_checkpoints(d / "base", d / "ft", unquantized, progress=False)
   with pytest.raises(DeltaMismatchError) as e:
     load_delta(unquantized, base_fingerprint=fingerprint_checkpoint(resolve_base(path)))
   msg = str(e.value)
-  assert "an unquantized base" in msg and fmt in msg and path.name in msg
+  assert "an unquantized checkpoint" in msg and fmt in msg and path.name in msg
+  assert "--base-source" in msg
 
 
 def test_metadata_directory_is_reused_and_holds_no_weights(quantized):
