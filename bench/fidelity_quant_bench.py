@@ -12,7 +12,9 @@ bit-identical to the `gguf` package's quantizer). For each real fine-tune
   would run: one quantized file per variant);
 * ``bitdelta per-column``: the 1-bit delta taken against the quantized base
   (``Δ = W_ft − dequant(W_q)``, `compress_checkpoints` with the GGUF file as base), served over it;
-* ``bitdelta per-column +distill``: its scales distilled against the quantized base
+* ``portable bitdelta per-column`` (issue 49 (a)): one delta per variant taken against the f32
+  source (``Δ = W_ft − W_src``), served over every quantization (the file records its source);
+* ``bitdelta per-column +distill`` (``--distill-steps`` > 0): its scales distilled against the quantized base
   (`distill_checkpoint` with the GGUF file as base).
 
 Models are evaluated as dense f32 weights: dequant(W_q) (+ the delta): the server computes the
@@ -46,6 +48,7 @@ from machine import describe  # noqa: E402
 
 from bitdelta_jax.delta.compress import CompressPolicy  # noqa: E402
 from bitdelta_jax.delta.store import load_delta, read_manifest  # noqa: E402
+from bitdelta_jax.delta.stream import fingerprint_checkpoint  # noqa: E402
 from bitdelta_jax.hf.gguf_checkpoint import resolve_base  # noqa: E402
 from bitdelta_jax.hf.gguf_export import write_gguf  # noqa: E402
 from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
@@ -61,6 +64,19 @@ GOAL_POINTS = 1.0  # issue 36 item 6: distilled variants within 1 point of their
 def _tensors(path) -> dict:
   with CheckpointReader(resolve_base(path)) as r:
     return {n: r.read(n) for n in r.names()}
+
+
+def portable_delta(name: str, base_dir: Path, work: Path) -> Path:
+  """(a) the delta against the f32 source (per column, 1-bit embeddings: the same policy as
+  (b)), made once per variant and served over every format."""
+  from bitdelta_jax.delta.stream import compress_checkpoints
+
+  d = work / f"{name}-portable"
+  if not (d / "manifest.json").exists():
+    compress_checkpoints(base_dir, rf.ensure_real_finetune(name, progress=False), d,
+                         CompressPolicy(granularity="column"), embeddings="1bit",
+                         overwrite=True, progress=False)
+  return d
 
 
 def run(name: str, fmt: str, base_dir: Path, base_q: Path, mc, tok, work: Path, args) -> dict:
@@ -95,6 +111,16 @@ def run(name: str, fmt: str, base_dir: Path, base_q: Path, mc, tok, work: Path, 
   if fmt not in formats:
     raise AssertionError(f"the delta's base fingerprint is not a {fmt} base: {formats}")
   record("bitdelta per-column", evaluate(mc, base_t, load_delta(d)[0], teacher, tok, examples), m)
+  # (a) one delta against the f32 source, served over this quantization: the lineage the file
+  # records (write_gguf) is what lets it load (check_base), and the variant is dequant + α·S
+  pd = portable_delta(name, base_dir, work)
+  portable, pm = load_delta(pd, base_fingerprint=fingerprint_checkpoint(resolve_base(base_q)))
+  record("portable bitdelta per-column", evaluate(mc, base_t, portable, teacher, tok, examples),
+         pm)
+  if not args.distill_steps:
+    shutil.rmtree(d, ignore_errors=True)
+    ft_q.unlink(missing_ok=True)
+    return {"rows": rows, "seconds": time.time() - t0}
   dd = work / f"{name}-{fmt}-column-distilled"
   shutil.rmtree(dd, ignore_errors=True)
   shutil.copytree(d, dd)
@@ -132,9 +158,14 @@ def write_md(out: Path, result: dict) -> None:
   L = ["# Real variants over a quantized base (SmolLM2-135M-Instruct, Q8_0 and Q4_0)", "",
        f"Machine: {result['machine']}. Commit {result['commit']}. Held-out prompts per variant: "
        f"{result['n_eval']}. Base: {result['base']}. Score: greedy exact match (%); NLL per "
-       "answer token; KL(fine-tune ‖ model) per answer token. Deltas are taken against the "
-       "quantized weights (Δ = W_ft − dequant(W_q)) and served over them; `+distill`: scales "
-       f"distilled against the quantized base ({result['distill_steps']} steps).", "",
+       "answer token; KL(fine-tune ‖ model) per answer token. Rows per format: (c) `fine-tune "
+       "quantized`: the fine-tune itself written in that format (one file per variant, what a "
+       "llama.cpp user runs); (b) `bitdelta per-column`: the delta taken against the quantized "
+       "weights (Δ = W_ft − dequant(W_q)) and served over them; (a) `portable bitdelta "
+       "per-column`: ONE delta per variant taken against the f32 source (Δ = W_ft − W_src), "
+       "served over every quantization of it (dequant(W_q) + α·sign Δ; it loads because the "
+       "file records its source, `bitdelta_jax.hf.lineage`). `+distill` (earlier runs): scales "
+       f"distilled against the quantized base ({result['distill_steps']} steps; 0: not run).", "",
        "Measured per variant: " + ", ".join(
          f"{n} at {v.get('commit', result['commit'])}" + (f" ({v['run_at']})" if v.get("run_at")
                                                           else "")
@@ -212,12 +243,23 @@ def main() -> None:
   for name, v in result["variants"].items():
     ft = v["f32"]["fine-tune"]["score"]
     for fmt, rows in v["formats"].items():
-      d = rows["bitdelta per-column +distill"]["score"] - ft
       dq = rows["fine-tune quantized"]["score"] - ft
-      goals.append(f"{name} over {fmt}: distilled BitDelta {d:+.1f} points vs the f32 fine-tune "
-                   f"({'met' if d >= -GOAL_POINTS else 'missed'}, goal within {GOAL_POINTS}); "
-                   f"the fine-tune itself quantized to {fmt}: {dq:+.1f}; the {fmt} base's NLL "
-                   f"{rows['base']['nll']:.3f} vs f32 base {v['f32']['base']['nll']:.3f}")
+      if "portable bitdelta per-column" in rows:  # issue 49: (a) within 1 point of (c)
+        a = rows["portable bitdelta per-column"]["score"] - ft
+        b = rows["bitdelta per-column"]["score"] - ft
+        goals.append(
+          f"{name} over {fmt}: (a) portable delta {a:+.1f} points vs the f32 fine-tune, (c) the "
+          f"fine-tune quantized {dq:+.1f}, (b) delta against the {fmt} base {b:+.1f}: (a) vs (c) "
+          f"{a - dq:+.1f} ({'met' if a - dq >= -GOAL_POINTS else 'missed'}, goal within "
+          f"{GOAL_POINTS}); KL (a) {rows['portable bitdelta per-column']['kl']:.4f}, (c) "
+          f"{rows['fine-tune quantized']['kl']:.4f}, (b) {rows['bitdelta per-column']['kl']:.4f}")
+      if "bitdelta per-column +distill" in rows:
+        d = rows["bitdelta per-column +distill"]["score"] - ft
+        goals.append(f"{name} over {fmt}: distilled BitDelta {d:+.1f} points vs the f32 "
+                     f"fine-tune ({'met' if d >= -GOAL_POINTS else 'missed'}, goal within "
+                     f"{GOAL_POINTS}); the fine-tune itself quantized to {fmt}: {dq:+.1f}; the "
+                     f"{fmt} base's NLL {rows['base']['nll']:.3f} vs f32 base "
+                     f"{v['f32']['base']['nll']:.3f}")
   result["goals"] = goals
   out.mkdir(parents=True, exist_ok=True)
   (out / "fidelity_quant.json").write_text(json.dumps(result, indent=1, default=float))
