@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -117,6 +118,27 @@ def run(name: str, fmt: str, base_dir: Path, base_q: Path, mc, tok, work: Path, 
   portable, pm = load_delta(pd, base_fingerprint=fingerprint_checkpoint(resolve_base(base_q)))
   record("portable bitdelta per-column", evaluate(mc, base_t, portable, teacher, tok, examples),
          pm)
+  # the same delta served as the server runs it: the file's blocks in the model, the delta in
+  # slot 1, every product through the cpu_rows kernel with f32 and with int8 activations (the
+  # default): the fidelity cost of int8 activations, in points
+  from bitdelta_jax.models import slots as slots_lib
+
+  served = from_pretrained(base_q, num_slots=2, variants=[pd])
+  slots_lib.load_variant(served, 1, portable)
+  before = os.environ.get("BITDELTA_QUANT_ACTIVATIONS")
+  try:
+    for act in ("f32", "int8"):
+      os.environ["BITDELTA_QUANT_ACTIVATIONS"] = act  # read when each product is traced
+      record(f"portable served ({act} activations)",
+             rf.score(served, examples, tok, reference=teacher, slot=1))
+      record(f"base served ({act} activations)",
+             rf.score(served, examples, tok, reference=teacher, slot=0))
+  finally:
+    if before is None:
+      os.environ.pop("BITDELTA_QUANT_ACTIVATIONS", None)
+    else:
+      os.environ["BITDELTA_QUANT_ACTIVATIONS"] = before
+  del served
   if not args.distill_steps:
     shutil.rmtree(d, ignore_errors=True)
     ft_q.unlink(missing_ok=True)
@@ -244,6 +266,13 @@ def main() -> None:
     ft = v["f32"]["fine-tune"]["score"]
     for fmt, rows in v["formats"].items():
       dq = rows["fine-tune quantized"]["score"] - ft
+      if "portable served (int8 activations)" in rows:  # issue 49 item 4: int8's cost
+        i8, f32 = rows["portable served (int8 activations)"], rows["portable served (f32 activations)"]
+        goals.append(
+          f"{name} over {fmt}, served through the block kernel: int8 activations "
+          f"{i8['score'] - ft:+.1f} points vs the f32 fine-tune, f32 activations "
+          f"{f32['score'] - ft:+.1f} (int8 - f32: {i8['score'] - f32['score']:+.1f}); KL int8 "
+          f"{i8['kl']:.4f} vs f32 {f32['kl']:.4f}")
       if "portable bitdelta per-column" in rows:  # issue 49: (a) within 1 point of (c)
         a = rows["portable bitdelta per-column"]["score"] - ft
         b = rows["bitdelta per-column"]["score"] - ft

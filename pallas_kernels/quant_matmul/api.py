@@ -4,9 +4,9 @@ blocks, `blocks.QuantizedKernel`), with the 1-bit delta term of each row's varia
 Implementations (``implementation=``), in order of preference:
 
 * ``"cpu_rows"``: the native CPU kernel (`cpu_rows`), blocks dequantized in registers and every
-  slot's delta fused into the same pass; one CPU device. x stays f32 by default;
-  ``$BITDELTA_QUANT_ACTIVATIONS=int8`` (or ``auto``: int8 for Q4_0 / Q4_1) quantizes it per
-  32-block as llama.cpp does (`cpu_rows.activations_for`).
+  slot's delta fused into the same pass; one CPU device. x is quantized per 32-block as
+  llama.cpp does by default (int8); ``$BITDELTA_QUANT_ACTIVATIONS=f32`` keeps it f32 (``auto``:
+  int8 for Q4_0 / Q4_1, f32 for Q8_0; `cpu_rows.activations_for`).
 * ``"mosaic_gpu"``: Mosaic GPU kernels for Hopper (`mosaic_gpu`): the blocks TMA-copied and
   dequantized in registers to x's dtype (bf16 / f16 x only), each slot's delta term fused;
   ``interpret=True`` runs them in the Mosaic GPU interpreter on CPU (tests).

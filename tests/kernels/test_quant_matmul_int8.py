@@ -175,7 +175,7 @@ def test_int8_error_against_f32_activations_reported(fmt, capsys):
 
 def test_mode_is_chosen_by_argument_then_environment(monkeypatch):
   monkeypatch.delenv("BITDELTA_QUANT_ACTIVATIONS", raising=False)
-  assert {cpu_rows.activations_for(f) for f in FORMATS} == {"f32"}  # exact f32 path by default
+  assert {cpu_rows.activations_for(f) for f in FORMATS} == {"int8"}  # llama.cpp's, by default
   monkeypatch.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
   assert cpu_rows.activations_for("q4_1") == "f32"
   assert cpu_rows.activations_for("q4_1", "int8") == "int8"
@@ -198,7 +198,7 @@ def test_default_and_environment_reach_the_kernel(fmt, monkeypatch):
   assert not np.array_equal(named["f32"], named["int8"])
   monkeypatch.delenv("BITDELTA_QUANT_ACTIVATIONS", raising=False)
   np.testing.assert_array_equal(np.asarray(cpu_rows.rows_call(xj, qj)),
-                                named["f32"])
+                                named["int8"])
   for a in ("f32", "int8"):  # a new program each: a traced one keeps the mode it was traced with
     monkeypatch.setenv("BITDELTA_QUANT_ACTIVATIONS", a)
     fresh = jax.jit(lambda x, q: cpu_rows.rows_call(x, q))
