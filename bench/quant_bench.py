@@ -211,8 +211,10 @@ def _scenarios(server: str, fmt: str, variants: list[str], *, mix_all: bool = Fa
   return out
 
 
-# int8 activations (`cpu_rows.activations_for`): llama.cpp's arithmetic for Q4 blocks, opt-in
+# int8 activations (`cpu_rows.activations_for`): llama.cpp's arithmetic, the default since issue
+# 49; the servers named by format alone pin f32 activations, so the int8 rows stay an A/B
 INT8 = {"BITDELTA_QUANT_ACTIVATIONS": "int8"}
+F32 = {"BITDELTA_QUANT_ACTIVATIONS": "f32"}
 
 
 def _int8_scenarios(server: str, variants: list[str]) -> dict:
@@ -250,7 +252,8 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
                   "--format", "q8_0", "--out", str(q8), "--quiet"], check=True, cwd=ROOT)
   rand = {f"r{i}": str(write_random_variant(q8, work / f"smollm2-q8_0-v{i}", 100 + i))
           for i in range(3)}
-  servers = {"q4_1": dict(base=q4, variants=real), "q8_0": dict(base=q8, variants=rand),
+  servers = {"q4_1": dict(base=q4, variants=real, env=F32),
+             "q8_0": dict(base=q8, variants=rand, env=F32),
              "f32": dict(base=f32_dir, variants=real),
              "q4_1_int8": dict(base=q4, variants=real, env=INT8)}
   scen = {**_scenarios("q4_1", "q4_1", names), **_scenarios("q8_0", "q8_0", sorted(rand)),
@@ -297,7 +300,7 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
       # 14 variants in 8 device slots (14 slots stalled at the third load: 14 x 778 MiB of
       # banks + the base + KV left no room for a load's buffers in 24 GB); the other 6 wait
       # for a slot, loaded from disk (the tiered cache)
-      servers[name] = dict(base=g, variants=vs, slots=min(len(vs), 8), extra=extra)
+      servers[name] = dict(base=g, variants=vs, slots=min(len(vs), 8), extra=extra, env=F32)
       sc = _scenarios(name, name, list(vs), mix_all=len(vs) > 3)
       if peers:
         llamas[f"llama_{name}"] = g
