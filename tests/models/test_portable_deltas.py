@@ -268,3 +268,22 @@ def test_gguf_base_default_context_is_capped_like_an_hf_base(family, tmp_path):
   ctx = json.loads((d / "base" / "config.json").read_text())["max_position_embeddings"]
   assert ctx < 2048
   assert default_max_seq_len(path) == default_max_seq_len(d / "base") == ctx
+
+
+def test_cli_base_source_for_compress_and_a_wrong_source_is_exit_2(family, tmp_path, capsys):
+  from bitdelta_jax.cli import main
+
+  d, delta = family
+  path = write_gguf(d / "base", tmp_path / "cli-q4_0.gguf", dtype="q4_0", record_source=False)
+  lineage.forget(resolve_base(path))
+  rc = main(["compress", "--base", str(path), "--base-source", str(d / "ft-emb"), "--finetuned",
+             str(d / "ft"), "--out", str(tmp_path / "bad"), "--quiet"])
+  err = capsys.readouterr().err
+  assert rc == 2 and "is not a quantization of" in err and path.name in err
+  assert not (tmp_path / "bad").exists()
+  rc = main(["compress", "--base", str(path), "--base-source", str(d / "base"), "--finetuned",
+             str(d / "ft"), "--out", str(tmp_path / "good"), "--quiet"])
+  assert rc == 0
+  assert read_manifest(tmp_path / "good")["base"]["digest"] == read_manifest(delta)["base"]["digest"]
+  rc = main(["inspect", str(tmp_path / "good")])
+  assert rc == 0 and "serves over it and over every GGUF" in capsys.readouterr().out
