@@ -202,7 +202,7 @@ def write_md(out: Path, result: dict) -> None:
           kl = f"{r['kl']:.4f}" if r.get("kl") is not None else ""
           L.append(f"| {name} | {fmt} | {label} | {r['score']:.1f} | {r['score'] - ft:+.1f} | "
                    f"{r['nll']:.3f} | {kl} |")
-  L += ["", "## Goals (issue 36, item 6)", ""] + [f"- {g}" for g in result["goals"]]
+  L += ["", "## Goals (issue 36 item 6; issue 49 items 4-5)", ""] + [f"- {g}" for g in result["goals"]]
   L += result.get("notes", [])
   (out / "fidelity_quant.md").write_text("\n".join(L) + "\n")
 
