@@ -35,43 +35,27 @@ def run_guidellm(exe: str, url: str, model: str, streams: int, requests: int, to
          "--profile", f"kind=concurrent,streams={streams}",
          "--data", "kind=synthetic_text,prompt_tokens=128,output_tokens=64",
          "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-         "--constraint", f"kind=max_requests,max_num={requests}",
+         "--constraint", f"kind=max_requests,count={requests}",
          "--output", f"kind=json,path={out}", "--disable-console-interactive"]
   subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
   return summarize(json.loads(out.read_text()))
 
 
-def _find(d, key):
-  """The first value under ``key`` anywhere in ``d`` (guidellm's report nests its metrics)."""
-  if isinstance(d, dict):
-    if key in d:
-      return d[key]
-    for v in d.values():
-      if (r := _find(v, key)) is not None:
-        return r
-  elif isinstance(d, list):
-    for v in d:
-      if (r := _find(v, key)) is not None:
-        return r
-  return None
-
-
 def summarize(report: dict) -> dict:
-  metrics = _find(report, "metrics")
-  out = {}
-  for key, name in (("output_tokens_per_second", "output_tok_s"),
-                    ("time_to_first_token_ms", "ttft_ms"),
-                    ("inter_token_latency_ms", "itl_ms"),
-                    ("request_latency", "latency_s")):
-    m = _find(metrics, key)
-    succ = m.get("successful", m) if isinstance(m, dict) else None
-    if isinstance(succ, dict):
-      out[name] = {"mean": succ.get("mean"), "median": succ.get("median")}
+  """guidellm's report → output tokens/s (every successful request's output tokens over the
+  run's duration), TTFT and ITL (mean and median over requests)."""
+  b = report["benchmarks"][0]
+  m = b["metrics"]
+  tokens = m["output_token_count"]["successful"]["total_sum"]
+  out = {"output_tok_s": {"mean": tokens / b["duration"], "median": tokens / b["duration"]},
+         "requests": m["output_token_count"]["successful"]["count"]}
+  for key, name in (("time_to_first_token_ms", "ttft_ms"), ("inter_token_latency_ms", "itl_ms")):
+    succ = m[key]["successful"]
+    out[name] = {"mean": succ["mean"], "median": succ["median"]}
   return out
 
 
 def main(argv=None) -> int:
-  from harness import machine_line, write_results
   from portable_bench import DEFAULT_WORK
   from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
 
@@ -80,8 +64,17 @@ def main(argv=None) -> int:
   p.add_argument("--work", default=str(DEFAULT_WORK))
   p.add_argument("--rounds", type=int, default=2)
   p.add_argument("--requests", type=int, default=16)
+  p.add_argument("--summarize-only", action="store_true",
+                 help="rebuild the results from the guidellm reports already in --work")
   a = p.parse_args(argv)
   work = pathlib.Path(a.work)
+  if a.summarize_only:
+    res = json.loads((ROOT / "bench" / "results" / "portable_guidellm.json").read_text())
+    res["runs"] = {}
+    for k in dict.fromkeys(res["order"]):
+      res["runs"][k] = [summarize(json.loads(f.read_text()))
+                        for f in sorted(work.glob(f"guidellm_{k}_*.json"))]
+    return write_report(res, a)
   g = work / "release.Q4_0.gguf"
   variants = {f"v{i}": str(work / f"v{i}-portable") for i in range(4)}
   port = free_port()
@@ -106,6 +99,11 @@ def main(argv=None) -> int:
         print(k, s.get("output_tok_s"), flush=True)
   finally:
     stop_server(proc)
+  return write_report(res, a)
+
+
+def write_report(res: dict, a) -> int:
+  from harness import machine_line, write_results
 
   def med(k, metric, stat="mean"):
     vals = [r[metric][stat] for r in res["runs"][k] if metric in r and r[metric][stat] is not None]
