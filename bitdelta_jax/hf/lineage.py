@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -166,7 +165,3 @@ def forget(base_dir: str | os.PathLike) -> None:
   if p.is_file():
     p.unlink()
 
-
-def copy_record(src_dir: Path, dst_dir: Path) -> None:
-  if (Path(src_dir) / SOURCE_FILE).is_file():
-    shutil.copy2(Path(src_dir) / SOURCE_FILE, Path(dst_dir) / SOURCE_FILE)
