@@ -550,9 +550,12 @@ def with_gguf_base(cfg: ServerConfig) -> ServerConfig:
   from bitdelta_jax.hf.gguf_checkpoint import is_gguf_dir, resolve_base
 
   if str(cfg.base).endswith(".gguf"):
-    if not Path(cfg.base).is_file():
+    if Path(cfg.base).is_dir() and not (Path(cfg.base) / "config.json").is_file():
+      raise ConfigError(f"base: {cfg.base} is a directory, not a GGUF file")
+    if not Path(cfg.base).exists():
       raise ConfigError(f"base: {cfg.base} does not exist")
-    cfg = dataclasses.replace(cfg, base=str(resolve_base(cfg.base)))
+    if Path(cfg.base).is_file():
+      cfg = dataclasses.replace(cfg, base=str(resolve_base(cfg.base)))
   if cfg.base_source is not None:
     from bitdelta_jax.hf.lineage import LineageError, establish
 

@@ -389,6 +389,7 @@ def compress_checkpoints(
           if name in base:
             bi = base.info(name)
             fp[name] = (bi.shape, bi.dtype.name, crc.value)
+          _check_finite_entry(name, entry, base.path, ft.path)
           w.add(name, entry, hf_shape=info.shape)
           lines.append(line)
       warnings, notes = pair_warnings(norm_ratios, grown_rows)
@@ -410,6 +411,24 @@ def compress_checkpoints(
         source={"base": Path(base_dir).resolve().name, "finetuned": Path(ft_dir).resolve().name},
         finetuned_config=_read_config(ft.path), warnings=warnings, notes=notes,
         tokenizer=TOKENIZER_DIR if tok else None, embeddings_choice=choices, extra=extra)
+
+
+def _check_finite_entry(name, entry, base_path, ft_path) -> None:
+  """Refuses (`DeltaStoreError`, naming the tensor) an entry holding inf / NaN: a non-finite
+  input tensor in either checkpoint makes a non-finite α, value or factor, which a delta must
+  never hold (the loader would refuse it later, or one slot's rows would turn NaN). Nothing is
+  written: the writer's temporary directory is discarded."""
+  arrays = {f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)} \
+    if dataclasses.is_dataclass(entry) else {}
+  for field, a in arrays.items():
+    if dataclasses.is_dataclass(a):  # a residual entry's 1-bit and low-rank parts
+      _check_finite_entry(name, a, base_path, ft_path)
+    elif isinstance(a, (np.ndarray, jax.Array)) and np.asarray(a).dtype.kind == "f":
+      a = np.asarray(a)
+      if not np.isfinite(a).all():
+        raise DeltaStoreError(
+          f"tensor {name!r}: its delta's {field} holds {int((~np.isfinite(a)).sum())} non-finite "
+          f"value(s): {base_path} or {ft_path} holds inf / NaN in it; nothing written")
 
 
 def _compress_linear(name, base: CheckpointReader, ft: CheckpointReader, policy, crc,
@@ -639,6 +658,10 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
                   f"(crc32 {crc32(b)} vs {want})"
                 )
               w = apply_tensor(n, b, entry, hf_layout=True)
+              if np.asarray(w).dtype.kind == "f" and not np.isfinite(w).all():
+                raise DeltaMismatchError(
+                  f"tensor {n!r}: base + delta holds {int((~np.isfinite(w)).sum())} non-finite "
+                  f"value(s) ({base_dir} or {delta_dir}); nothing written")
             elif isinstance(entry, Dense) and entry.kind == "value":
               w = entry.value
             else:

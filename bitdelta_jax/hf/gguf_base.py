@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import struct
 import tempfile
 import uuid
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.hf import gguf_import, lineage
+from bitdelta_jax.hf import gguf_import, gguf_validate, lineage
 from bitdelta_jax.hf.gguf_import import GGUFImportError
 from pallas_kernels.quant_matmul import blocks
 
@@ -58,10 +59,15 @@ class GGUFBase:
     import gguf
 
     self.path = Path(path)
-    if not self.path.is_file():
-      raise GGUFImportError(f"{self.path}: no such GGUF file")
-    self._reader = gguf.GGUFReader(self.path, "r")
-    self.config = gguf_import.hf_config(self._reader)
+    gguf_validate.check_file(self.path)  # the header, types and byte ranges, before any allocation
+    try:
+      self._reader = gguf.GGUFReader(self.path, "r")
+    except (ValueError, KeyError, OSError, struct.error) as e:  # what check_file cannot foresee
+      raise GGUFImportError(f"{self.path}: unreadable GGUF ({e})") from None
+    try:
+      self.config = gguf_import.hf_config(self._reader)
+    except GGUFImportError as e:
+      raise GGUFImportError(f"{self.path}: {e}") from None
     self._tensors = {gguf_import.hf_tensor_name(t.name): t for t in self._reader.tensors}
     self._formats = _format_names()
 
@@ -150,6 +156,7 @@ class GGUFBase:
         done += got
     finally:
       os.close(fd)
+    gguf_validate.check_values(self.path, name, self.format(name), out)
     return out
 
   def dequantized(self, name: str) -> np.ndarray:
@@ -170,8 +177,12 @@ class GGUFBase:
     for t in self._reader.tensors:
       h.update(f"{t.name}|{t.tensor_type.name}|{[int(s) for s in t.shape]}|".encode())
       flat = t.data.reshape(-1).view(np.uint8)
-      for i in range(0, flat.size, _HASH_CHUNK):
-        h.update(memoryview(np.ascontiguousarray(flat[i:i + _HASH_CHUNK])))
+      fmt = self._formats.get(t.tensor_type, t.tensor_type.name.lower())
+      step = _HASH_CHUNK // 3060 * 3060  # whole blocks of every checked format (34, 18, 20 B)
+      for i in range(0, flat.size, step):
+        chunk = np.ascontiguousarray(flat[i:i + step])
+        gguf_validate.check_values(self.path, gguf_import.hf_tensor_name(t.name), fmt, chunk)
+        h.update(memoryview(chunk))
     return h.hexdigest()
 
 
@@ -198,6 +209,7 @@ def write_metadata_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
   metadata directory there is replaced, anything else refused (`FileExistsError`)."""
   base = open_gguf_base(gguf_path)
   out = Path(out_dir)
+  made_parent = not out.parent.exists()
   out.parent.mkdir(parents=True, exist_ok=True)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
   try:
@@ -213,6 +225,11 @@ def write_metadata_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
     _swap_in(tmp, out)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
+    if made_parent:  # a refused file leaves nothing in the cache
+      try:
+        out.parent.rmdir()
+      except OSError:
+        pass
     raise
   return out
 

@@ -37,6 +37,9 @@ def resolve_base(path: str | os.PathLike) -> Path:
   """``path`` itself for a base directory; for a ``.gguf`` file, its metadata directory under
   ``$BITDELTA_CACHE/gguf`` (written once per file: keyed by its path, size and mtime)."""
   path = Path(path)
+  if path.suffix == ".gguf" and not path.is_file() and not (path / "config.json").is_file():
+    what = "is a directory, not a GGUF file" if path.is_dir() else "no such GGUF file"
+    raise CheckpointError(f"{path}: {what}")
   if not (path.is_file() and path.suffix == ".gguf"):
     return path
   from pallas_kernels.cache import cache_root

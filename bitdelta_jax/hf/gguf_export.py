@@ -333,6 +333,9 @@ def _converted_chunks(reader, t: _Planned):
     step = max(head_rows, step // head_rows * head_rows)
   for r0 in range(0, rows, step):
     a = np.asarray(reader.read_rows(t.hf_name, r0, r0 + step), np.float32)
+    if not np.isfinite(a).all():
+      raise GGUFExportError(f"tensor {t.hf_name!r} holds {int((~np.isfinite(a)).sum())} "
+                            f"non-finite value(s) in rows {r0}-{r0 + len(a) - 1}: not written")
     if t.heads:
       a = permute_rows(a, a.shape[0] // (rows // t.heads))
     if t.dtype in QUANTIZED:
