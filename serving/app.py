@@ -95,6 +95,7 @@ class Server:
     self.started = time.time()
     self.stopping = False  # `drain` began: new requests get a 503
     self.in_flight = 0  # handlers running (every route)
+    self.admitted_rows = 0  # sequences of the generation requests admitted and not yet answered
     self._idle: asyncio.Event | None = None  # set when in_flight drops to 0 (drain waits on it)
     self.engine_stop_s = 30.0  # how long cleanup waits for the device thread
     # set on the event loop when the engine gives up (`Engine.fatal`): the CLI exits non-zero
@@ -254,6 +255,19 @@ class Server:
       return False
     return True
 
+  def admit(self, rows: int, model: str, endpoint: str) -> None:
+    """Admits a generation request of ``rows`` sequences, or refuses it with a 429 (Retry-After)
+    when the sequences already admitted plus these pass `ServerConfig.admission_limit`. A
+    request alone on the server is always admitted (its size is bounded by the body checks)."""
+    limit = self.cfg.admission_limit
+    if self.admitted_rows and self.admitted_rows + rows > limit:
+      self.metrics.rejected.labels("queue_full").inc()
+      self.metrics.requests.labels(model, endpoint, "429").inc()
+      raise P.ApiError(429, f"the server is at capacity ({self.admitted_rows} sequences admitted, "
+                       f"at most {limit}: --max-batch + --max-queued-requests); retry later",
+                       code="queue_full", headers={"Retry-After": "1"})
+    self.admitted_rows += rows
+
   def _enter(self) -> None:
     self.in_flight += 1
 
@@ -406,6 +420,7 @@ class Server:
       "model": self.cfg.model_id,
       "variants": len(self.registry.all()) if self.registry else 0,
       "active_rows": e.active_rows if e else 0, "queue_depth": e.queue_depth if e else 0,
+      "admitted_sequences": self.admitted_rows, "admission_limit": self.cfg.admission_limit,
       "uptime_s": round(time.time() - self.started, 3),
     }, status=200 if ok else 503)
 

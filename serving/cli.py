@@ -26,7 +26,7 @@ from serving.config import ConfigError, ServerConfig
 _FIELDS = {
   "base_name": "base_name", "host": "host", "port": "port", "api_key": "api_key",
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
-  "max_batch": "max_batch", "max_seq_len": "max_seq_len", "dtype": "dtype",
+  "max_batch": "max_batch", "max_queued_requests": "max_queued_requests", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
   "extra_vocab": "extra_vocab", "kmerge_pool": "kmerge_pool", "base_source": "base_source",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
@@ -69,6 +69,10 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="also protect the N busiest variants from eviction (0)")
   p.add_argument("--max-batch", type=int, metavar="B",
                  help="most sequences decoding at once (32); a step runs only the live ones")
+  p.add_argument("--max-queued-requests", type=int, metavar="Q",
+                 help="sequences admitted beyond --max-batch, waiting for a row (4 x max-batch); "
+                      "past them a request gets a 429 with Retry-After (a load balancer can shed "
+                      "or route away; /health and /metrics show the queue)")
   p.add_argument("--max-seq-len", type=int, metavar="L",
                  help="context length: prompt + generated tokens (2048, or the base's "
                       "max_position_embeddings if shorter; longer is refused)")

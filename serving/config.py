@@ -58,6 +58,9 @@ class ServerConfig:
   pins: tuple[str, ...] = ()
   top_n_pin: int = 0
   max_batch: int = 32  # most sequences decoding at once (a step runs only the live ones)
+  # sequences admitted beyond max_batch (waiting for a row); past them a request gets a 429 with
+  # Retry-After (None: 4 x max_batch)
+  max_queued_requests: int | None = None
   max_seq_len: int = 2048  # prompt + generated tokens per sequence
   page_size: int = 16  # tokens per KV-cache page
   kv_cache_mb: float = 1024.0  # KV-cache pool (pages are shared by all sequences)
@@ -108,6 +111,8 @@ class ServerConfig:
     need(self.device_slots >= 1, "device_slots", f"must be >= 1, got {self.device_slots}")
     need(self.host_cache_mb >= 0, "host_cache_mb", f"must be >= 0, got {self.host_cache_mb}")
     need(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
+    need(self.max_queued_requests is None or self.max_queued_requests >= 0,
+         "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
     need(self.max_seq_len >= 8, "max_seq_len", f"must be >= 8, got {self.max_seq_len}")
     need(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
     need(self.kv_cache_mb > 0, "kv_cache_mb", f"must be > 0, got {self.kv_cache_mb}")
@@ -149,6 +154,13 @@ class ServerConfig:
          f"must be >= 1, got {self.max_step_failures}")
 
   # -- derived -------------------------------------------------------------------------------
+  @property
+  def admission_limit(self) -> int:
+    """Sequences (prompts x n) admitted at once: max_batch running + max_queued_requests
+    waiting (4 x max_batch when unset)."""
+    queued = 4 * self.max_batch if self.max_queued_requests is None else self.max_queued_requests
+    return self.max_batch + queued
+
   @property
   def model_id(self) -> str:
     return self.base_name or Path(self.base).resolve().name or "base"

@@ -100,7 +100,19 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
     raise P.ApiError(503, "the engine is not running", code="engine_unavailable")
   if server.engine.lost:
     raise P.ApiError(503, server.engine.lost, code="worker_lost")
+  rows = len(prompts) * ctl.n
+  server.admit(rows, model, endpoint)  # a 429 past max_batch + max_queued_requests sequences
+  try:
+    return await _admitted(server, request, model, endpoint, cfg, prompts, plist, ctl, tok, chat,
+                           tools, arrival, opts)
+  finally:
+    server.admitted_rows -= rows
 
+
+async def _admitted(server, request, model, endpoint, cfg, prompts, plist, ctl, tok, chat, tools,
+                    arrival, opts):
+  """The rest of `generate` for an admitted request: the variant's slot, the engine, the
+  response."""
   try:
     lease = await server.router.acquire(model)
   except UnknownModel:  # deleted meanwhile

@@ -72,6 +72,9 @@ class Metrics:
                          "Requests waiting for their variant to reach a device slot", registry=r)
     self.in_flight = Gauge("bitdelta_requests_in_flight", "Requests in flight", ["model"],
                            registry=r)
+    self.rejected = Counter("bitdelta_requests_rejected", "Generation requests refused at "
+                            "admission (429 queue_full: past --max-batch + --max-queued-requests)",
+                            ["reason"], registry=r)
     self.stalled = Counter("bitdelta_stalled_sequences", "Choices failed by the stall watchdog "
                            "(no progress for stall_timeout_s: a server fault)", registry=r)
     self.step_failures = Counter("bitdelta_step_failures", "Engine steps that raised (their "

@@ -40,7 +40,8 @@ def server(family, serve):
   base, deltas, _, broken = family
   with serve(base, {**deltas, "broken": broken}, api_key=KEY, device_slots=3, pins=("v3",),
              host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4, max_seq_len=64,
-             default_max_tokens=16, load_retry_s=0.5, max_body_bytes=64 * 1024) as h:
+             default_max_tokens=16, load_retry_s=0.5, max_body_bytes=64 * 1024,
+             max_queued_requests=256) as h:  # its bursts queue (admission: test_admission)
     corrupt_arrays(broken)  # passed the start-up checks; its first load finds it corrupt
     yield h
 

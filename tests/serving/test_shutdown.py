@@ -34,7 +34,7 @@ class Demo:
 
   def __init__(self, *extra: str):
     self.proc = subprocess.Popen(
-      [sys.executable, "-m", "bitdelta_jax.cli", "demo", "--port", "0", "--max-batch", "1",
+      [sys.executable, "-m", "bitdelta_jax.cli", "demo", "--port", "0", "--max-batch", "1", "--max-queued-requests", "16",
        "--prefill-chunk", "16", *extra],
       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
       env=dict(os.environ, BITDELTA_COMPILE_CACHE="0"))
