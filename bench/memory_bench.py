@@ -222,17 +222,11 @@ def child(case: dict) -> dict:
 
 
 # -- models ---------------------------------------------------------------------------------------
-def _write_random_llama(out: pathlib.Path, shape: dict, seed: int, base: pathlib.Path | None = None):
-  """An HF bf16 Llama dir with random weights, written tensor by tensor (a fine-tune: ``base``'s
-  tensors plus 3% noise on the linear layers)."""
-  import ml_dtypes
-  import numpy as np
+def llama_specs(c) -> tuple[dict, dict]:
+  """``({HF name: shape}, {linear name: shape})`` of a `SyntheticConfig`'s Llama, in file order
+  (an ``lm_head.weight`` unless its embeddings are tied)."""
+  from bitdelta_jax.synthetic import linear_shapes
 
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
-  from bitdelta_jax.synthetic import SyntheticConfig, linear_shapes
-  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
-
-  c = SyntheticConfig(**shape)
   specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
   lin = linear_shapes(c)
   for i in range(c.num_hidden_layers):
@@ -241,7 +235,24 @@ def _write_random_llama(out: pathlib.Path, shape: dict, seed: int, base: pathlib
     specs[p + "input_layernorm.weight"] = (c.hidden_size,)
     specs[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
   specs["model.norm.weight"] = (c.hidden_size,)
-  specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+  if not c.tie_word_embeddings:
+    specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+  return specs, lin
+
+
+def _write_random_llama(out: pathlib.Path, shape: dict, seed: int, base: pathlib.Path | None = None):
+  """An HF bf16 Llama dir with random weights, written tensor by tensor (a fine-tune: ``base``'s
+  tensors plus 3% noise on the linear layers)."""
+  import ml_dtypes
+  import numpy as np
+
+  from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
+  from bitdelta_jax.synthetic import SyntheticConfig
+  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
+
+  c = SyntheticConfig(**shape)
+  specs, lin = llama_specs(c)
+  specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)  # always written here (untied files)
   bf16 = np.dtype(ml_dtypes.bfloat16)
   r = np.random.default_rng(seed)
   src = CheckpointReader(base) if base else None

@@ -60,20 +60,14 @@ def write_release(out: pathlib.Path, seed: int = 0) -> None:
   """The bf16 "release", written tensor by tensor (`memory_bench`'s layout, tied head)."""
   import ml_dtypes
   import numpy as np
+  from memory_bench import llama_specs
 
   from bitdelta_jax.hf.safetensors_io import SafetensorsWriter
-  from bitdelta_jax.synthetic import SyntheticConfig, linear_shapes
+  from bitdelta_jax.synthetic import SyntheticConfig
   from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
 
   c = SyntheticConfig(**SHAPE)
-  specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
-  lin = linear_shapes(c)
-  for i in range(c.num_hidden_layers):
-    p = f"model.layers.{i}."
-    specs |= {n: s for n, s in lin.items() if n.startswith(p)}
-    specs[p + "input_layernorm.weight"] = (c.hidden_size,)
-    specs[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-  specs["model.norm.weight"] = (c.hidden_size,)
+  specs, lin = llama_specs(c)  # tied: no lm_head
   bf16 = np.dtype(ml_dtypes.bfloat16)
   r = np.random.default_rng(seed)
   tmp = out.with_name(out.name + ".partial")

@@ -43,8 +43,8 @@ from bitdelta_jax.delta.store import (
   DeltaWriter,
   check_base,
   crc32,
-  is_portable,
   fingerprint,
+  is_portable,
   load_entry,
   read_manifest,
   stored_embeddings,  # noqa: F401  (re-exported: its home was here)
