@@ -123,9 +123,14 @@ async def drive(url: str, models: list[str], prompts: list[str], concurrency: in
           "latency_p50_s": pct([r["latency"] for r in recs], 50), "per_model": per}
 
 
+ADMIN_KEY = "bench-admin"
+
+
 def http(url, method, path, key, body=None):
   import requests
 
+  if path.startswith("/v1/variants"):  # the admin routes take the admin key
+    key = ADMIN_KEY
   r = getattr(requests, method)(url + path, json=body, timeout=300,
                                 headers={"Authorization": f"Bearer {key}"})
   r.raise_for_status()
@@ -361,9 +366,10 @@ def main(argv=None):
   prompts = ["Write a short story about a robot.", "What is 12 + 30?", "Translate: bonjour",
              "List three colors.", "def fib(n):", "The capital of France is"]
   cfg = ServerConfig(base=str(base), base_name="base", port=0, api_key=key,
+                     admin_key=ADMIN_KEY,
                      variants=tuple((n, str(p)) for n, p in sel.items()),
                      device_slots=len(sel) + 1, max_batch=a.max_batch, max_seq_len=a.max_seq_len,
-                     buckets=(32, 64, a.max_seq_len), dtype=a.dtype, host_cache_mb=4096)
+                     dtype=a.dtype, host_cache_mb=4096)
   rng = random.Random(0)
   mixed_models = [names[i % len(names)] for i in range(a.requests)]
   rng.shuffle(mixed_models)

@@ -7,7 +7,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` → SSE ending in
 ``data: [DONE]``), ``GET /v1/models`` (+ ``/v1/models/{id}``), ``GET /health``,
 ``GET /metrics``, and admin ``GET|POST /v1/variants``, ``DELETE /v1/variants/{name}``.
-With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``.
+With ``api_key`` set, every route but ``/health`` needs ``Authorization: Bearer <key>``; the
+admin routes need ``admin_key`` instead (`_auth`).
 Every failure is an OpenAI error object; an unexpected exception is a 500, never a crash.
 The generation routes' request path (prompts, options, n choices, log probabilities, controls,
 structured output, streaming) is `serving.generation`.
@@ -39,6 +40,7 @@ from bitdelta_jax.delta.store import DeltaStoreError, check_base, load_delta
 from bitdelta_jax.engine.bank_options import banks_for
 from bitdelta_jax.engine.build import kv_pages
 from bitdelta_jax.engine.engine import Engine
+from serving import malformed_log
 from serving import protocol as P
 from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
@@ -120,7 +122,7 @@ class Server:
     banks = banks_for([m for m in manifests.values() if isinstance(m, dict)], vocab,
                       embedding_slots=cfg.embedding_slots, lora_rank=cfg.lora_rank,
                       extra_vocab=cfg.extra_vocab)
-    self.registry = Registry(cfg.model_id, admin_roots=cfg.admin_roots, banks=banks,
+    self.registry = Registry(cfg.model_id, admin_roots=cfg.variant_roots(), banks=banks,
                              base_tensors=set(self.base_fp["tensors"]), vocab_size=vocab,
                              base_dir=cfg.base, base_shapes=shapes)
     await self._add_config_variants()
@@ -358,7 +360,7 @@ class Server:
                               **self.cache.snapshot()})
 
   async def add_variant(self, request: web.Request) -> web.Response:
-    body = await P.read_json(request, self.cfg.max_body_bytes)
+    body = await P.read_json(request, self.cfg.max_body_bytes, self.cfg.body_timeout_s)
     name, path = body.get("name"), body.get("path")
     if name is None:
       raise P.invalid("name", "is required")
@@ -457,6 +459,11 @@ def _count(request: web.Request, status: int) -> None:
 async def _errors(request: web.Request, handler):
   status = 500
   try:
+    limit = request.app[MAX_BODY]
+    if (request.content_length or 0) > limit:  # refused before a byte of it is read
+      raise P.ApiError(413, f"the request body ({request.content_length} bytes declared) is "
+                       f"larger than the limit ({limit} bytes)", code="request_too_large",
+                       headers={"Connection": "close"})
     resp = await handler(request)
     status = resp.status
     return resp
@@ -498,17 +505,51 @@ async def _track(request: web.Request, handler):
     server._leave()
 
 
-def _auth(api_key: str | None):
+def _bearer(request: web.Request) -> str | None:
+  header = request.headers.get("Authorization", "")
+  return (header[7:].strip() or None) if header[:7].lower() == "bearer " else None
+
+
+def _is(token: str | None, key: str | None) -> bool:
+  return token is not None and key is not None and hmac.compare_digest(token.encode(),
+                                                                       key.encode())
+
+
+def _auth(api_key: str | None, admin_key: str | None):
+  """``/health`` is open. The admin routes (``/v1/variants``) take the admin key; the inference
+  key there is a 403, and with an inference key but no admin key they are off (403). Every
+  other route takes either key when an inference key is set, and is open when none is (an
+  admin key alone guards only the admin routes)."""
+
+  def refuse(status: int, msg: str, code: str) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    return web.json_response(P.error_body(msg, "invalid_request_error", code=code),
+                             status=status, headers=headers)
+
   @web.middleware
   async def auth(request: web.Request, handler):
-    if api_key is not None and request.path != "/health":
-      header = request.headers.get("Authorization", "")
-      token = header[7:].strip() if header[:7].lower() == "bearer " else None
-      if not token or not hmac.compare_digest(token.encode(), api_key.encode()):
-        return web.json_response(P.error_body(
-          "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-          "invalid_request_error", code="invalid_api_key"), status=401,
-          headers={"WWW-Authenticate": "Bearer"})
+    if request.path == "/health":
+      return await handler(request)
+    token = _bearer(request)
+    if request.path == "/v1/variants" or request.path.startswith("/v1/variants/"):
+      if admin_key is not None:
+        if _is(token, admin_key):
+          return await handler(request)
+        if _is(token, api_key):
+          return refuse(403, "the admin routes need the admin key, not the API key",
+                        "admin_key_required")
+        return refuse(401, "missing or incorrect admin key (send 'Authorization: Bearer "
+                      "<admin key>')", "invalid_api_key")
+      if api_key is not None:
+        if _is(token, api_key):
+          return refuse(403, "the admin routes are off: this server has an API key and no "
+                        "admin key (start it with --admin-key)", "admin_key_required")
+        return refuse(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                      "invalid_api_key")
+      return await handler(request)
+    if api_key is not None and not (_is(token, api_key) or _is(token, admin_key)):
+      return refuse(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                    "invalid_api_key")
     return await handler(request)
 
   return auth
@@ -517,7 +558,7 @@ def _auth(api_key: str | None):
 def build_app(cfg: ServerConfig) -> tuple[web.Application, Server]:
   server = Server(cfg)
   app = web.Application(client_max_size=cfg.max_body_bytes,
-                        middlewares=[_errors, _track, _auth(cfg.api_key)])
+                        middlewares=[_errors, _track, _auth(cfg.api_key, cfg.admin_key)])
   app[MAX_BODY] = cfg.max_body_bytes
   app[SERVER_KEY] = server
   app.on_startup.append(server.startup)
@@ -621,8 +662,11 @@ async def start_site(cfg: ServerConfig, *, shutdown_timeout: float = 60.0,
   check_base_dir(cfg)
   app, server = build_app(cfg)
   # request bodies are decoded by serving.protocol.decode_body (JSON errors, bounded size)
+  # keepalive_timeout: a connection is closed once it has been this long without a whole
+  # request head, from its opening or its last response (a slow-header client included)
   runner = web.AppRunner(app, access_log=None, handle_signals=False, auto_decompress=False,
-                         shutdown_timeout=shutdown_timeout)
+                         shutdown_timeout=shutdown_timeout, keepalive_timeout=cfg.header_timeout_s)
+  malformed_log.install()
   try:
     await runner.setup()  # runs startup: model load + compile on the device thread
   except BaseException:

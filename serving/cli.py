@@ -25,16 +25,20 @@ from serving.config import ConfigError, ServerConfig
 # flag dest -> ServerConfig field (flags left unset do not override the config file)
 _FIELDS = {
   "base_name": "base_name", "host": "host", "port": "port", "api_key": "api_key",
+  "admin_key": "admin_key",
   "device_slots": "device_slots", "host_cache_mb": "host_cache_mb", "top_n_pin": "top_n_pin",
   "max_batch": "max_batch", "max_queued_requests": "max_queued_requests", "max_seq_len": "max_seq_len", "dtype": "dtype",
   "default_max_tokens": "default_max_tokens", "lora_rank": "lora_rank",
   "extra_vocab": "extra_vocab", "kmerge_pool": "kmerge_pool", "base_source": "base_source",
   "mesh": "mesh", "coordinator": "coordinator", "num_processes": "num_processes",
   "process_id": "process_id", "step_timeout": "step_timeout_s",
+  "start_timeout": "start_timeout_s",
   "page_size": "page_size", "kv_cache_mb": "kv_cache_mb", "prefill_chunk": "prefill_chunk",
   "stall_timeout": "stall_timeout_s", "delete_grace": "delete_grace_s",
   "max_step_failures": "max_step_failures",
   "shutdown_grace": "shutdown_grace_s",
+  "header_timeout": "header_timeout_s", "body_timeout": "body_timeout_s",
+  "max_body_bytes": "max_body_bytes",
 }
 
 
@@ -59,7 +63,12 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--host", help="bind address (default 127.0.0.1)")
   p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
   p.add_argument("--api-key", default=os.environ.get("BITDELTA_API_KEY"),
-                 help="require 'Authorization: Bearer KEY' (default: $BITDELTA_API_KEY)")
+                 help="inference routes and /metrics require 'Authorization: Bearer KEY' "
+                      "(default: $BITDELTA_API_KEY)")
+  p.add_argument("--admin-key", default=os.environ.get("BITDELTA_ADMIN_KEY"),
+                 help="the admin routes (/v1/variants) require 'Authorization: Bearer KEY'; the "
+                      "inference key alone gets 403 there. With --api-key and no admin key the "
+                      "admin routes are off (default: $BITDELTA_ADMIN_KEY)")
   p.add_argument("--device-slots", type=int, metavar="N", help="variant slots on the device (4)")
   p.add_argument("--host-cache-mb", type=float, metavar="M",
                  help="host memory for loaded deltas, MiB (1024)")
@@ -86,8 +95,18 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                  help="dtype of the base weights and activations on the device (float32)")
   p.add_argument("--default-max-tokens", type=int, help="max_tokens when a request omits it")
+  p.add_argument("--header-timeout", type=float, metavar="S",
+                 help="close a connection that has not sent a whole request head within S "
+                      "seconds of opening or of its last response (30)")
+  p.add_argument("--body-timeout", type=float, metavar="S",
+                 help="a request body that has not arrived within S seconds is a 408 (30)")
+  p.add_argument("--max-body-bytes", type=int, metavar="N",
+                 help="largest request body; a larger declared Content-Length is a 413 before "
+                      "any of it is read (1048576)")
   p.add_argument("--variant-root", action="append", default=[], metavar="DIR",
-                 help="POST /v1/variants paths must lie under one of these (repeatable)")
+                 help="POST /v1/variants paths must lie under one of these (repeatable; "
+                      "default: the directories holding the configured variants, and the cache "
+                      "root; '/' allows any path)")
   p.add_argument("--lora-rank", type=int, metavar="R",
                  help="rank of the LoRA slots for PEFT adapters registered at runtime "
                       "(default: the largest rank of the configured adapters)")
@@ -127,7 +146,7 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   # --mesh, --coordinator, --num-processes, --process-id, --step-timeout (docs/SCALING.md);
   # left unset they do not override the config file
   distributed.add_arguments(p)
-  p.set_defaults(num_processes=None, process_id=None, step_timeout=None)
+  p.set_defaults(num_processes=None, process_id=None, step_timeout=None, start_timeout=None)
 
 
 def add_serve_parsers(subparsers) -> argparse.ArgumentParser:
@@ -291,6 +310,16 @@ def _task_examples(names) -> dict[str, str]:
   return {n: recorded[n] for n in names if n in recorded}
 
 
+def _admin_line(cfg: ServerConfig, url: str) -> str:
+  """Who may use the admin routes, and which directories ``POST /v1/variants`` may load."""
+  if cfg.api_key is not None and cfg.admin_key is None:
+    return "off (an API key without --admin-key: /v1/variants answers 403)"
+  who = "with the admin key" if cfg.admin_key is not None else "open (no --admin-key)"
+  roots = cfg.variant_roots()
+  where = "any path (--variant-root /)" if Path("/") in roots else ", ".join(map(str, roots))
+  return f"GET|POST {url}/v1/variants {who}; POST loads directories under: {where}"
+
+
 def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str] | None = None,
            skipped: dict[str, str] | None = None, tasks: dict[str, str] | None = None) -> str:
   """The start-up banner; ``served`` (default: every configured variant) lists the variants
@@ -316,7 +345,8 @@ def banner(cfg: ServerConfig, url: str, *, demo: bool = False, served: list[str]
     f"\"content\": \"{content}\"}}], \"temperature\": 0, \"max_tokens\": 32}}'",
     "  python:   from openai import OpenAI; c = OpenAI(base_url="
     f"'{url}/v1', api_key='{cfg.api_key or 'none'}')",
-    f"  admin:    GET {url}/v1/variants   metrics: GET {url}/metrics   (Ctrl-C stops)",
+    f"  metrics:  GET {url}/metrics   (Ctrl-C stops)",
+    f"  admin:    {_admin_line(cfg, url)}",
   ]
   if examples:
     lines.append("  each variant does one task (words of letters a-j); try these chat messages "

@@ -52,7 +52,9 @@ class ServerConfig:
   base_name: str | None = None  # the base's model id; default: the base directory's name
   host: str = "127.0.0.1"
   port: int = 8000
-  api_key: str | None = None
+  api_key: str | None = None  # inference routes (and /metrics) need it; /health never does
+  # admin routes (/v1/variants) need it; with an api_key and no admin_key they are refused
+  admin_key: str | None = None
   device_slots: int = 4  # variant slots on the device (the model gets device_slots + 1; 0 = base)
   host_cache_mb: float = 1024.0
   pins: tuple[str, ...] = ()
@@ -67,11 +69,17 @@ class ServerConfig:
   prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
   prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes, per variant
   dtype: str = "float32"
-  max_body_bytes: int = 1 << 20
+  max_body_bytes: int = 1 << 20  # a larger declared Content-Length is a 413 before reading
+  # a connection that has not sent a whole request head this long after opening (or after its
+  # last response) is closed; a request body must arrive within body_timeout_s (else 408)
+  header_timeout_s: float = 30.0
+  body_timeout_s: float = 30.0
   default_max_tokens: int = 128
   rate_half_life_s: float = 60.0  # decay of the per-variant request-rate counter (eviction)
   load_retry_s: float = 5.0  # after a failed load, requests fail fast for this long
-  admin_roots: tuple[str, ...] = ()  # if set, POST /v1/variants paths must lie under one
+  # POST /v1/variants paths must lie under one of these; () means the directories holding the
+  # configured variants plus the cache root (`default_admin_roots`); ("/",) allows any path
+  admin_roots: tuple[str, ...] = ()
   verify_base: bool = True  # check each delta's base fingerprint (crc of every base tensor)
   verify_variants: bool = True  # at start, read each configured delta once and check its crc32s
   skip_bad_variants: bool = False  # serve without a variant that fails its start-up checks
@@ -90,6 +98,9 @@ class ServerConfig:
   num_processes: int = 1
   process_id: int = 0  # 0 runs the HTTP front; the others follow its step plans
   step_timeout_s: float = 120.0  # a distributed step slower than this means a lost worker
+  # every process must join, build its model and compile its steps within this long (several
+  # processes; a straggler within it is waited for)
+  start_timeout_s: float = 600.0
   # a sequence the scheduler neither computed nor deferred for this long is failed (its pages
   # and variant slot released); /health says "degraded" from half of it
   stall_timeout_s: float = 60.0
@@ -118,6 +129,14 @@ class ServerConfig:
     need(self.kv_cache_mb > 0, "kv_cache_mb", f"must be > 0, got {self.kv_cache_mb}")
     need(self.prefill_chunk >= 1, "prefill_chunk", f"must be >= 1, got {self.prefill_chunk}")
     need(self.top_n_pin >= 0, "top_n_pin", f"must be >= 0, got {self.top_n_pin}")
+    for key in ("header_timeout_s", "body_timeout_s"):
+      need(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
+    for key in ("api_key", "admin_key"):
+      k = getattr(self, key)
+      need(k is None or (isinstance(k, str) and k.strip() == k and k != ""), key,
+           "must be a non-empty string without surrounding spaces")
+    need(self.admin_key is None or self.admin_key != self.api_key, "admin_key",
+         "must differ from api_key (a client that may generate could otherwise administer)")
     need(self.max_body_bytes >= 1024, "max_body_bytes", "must be >= 1024")
     need(self.default_max_tokens >= 1, "default_max_tokens", "must be >= 1")
     need(self.rate_half_life_s > 0, "rate_half_life_s", "must be > 0")
@@ -146,6 +165,7 @@ class ServerConfig:
     need(self.num_processes == 1 or bool(self.coordinator), "coordinator",
          "num_processes > 1 needs a coordinator HOST:PORT")
     need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
+    need(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
     need(self.stall_timeout_s > 0, "stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
     need(self.delete_grace_s >= 0, "delete_grace_s", f"must be >= 0, got {self.delete_grace_s}")
     need(self.shutdown_grace_s >= 0, "shutdown_grace_s",
@@ -160,6 +180,20 @@ class ServerConfig:
     waiting (4 x max_batch when unset)."""
     queued = 4 * self.max_batch if self.max_queued_requests is None else self.max_queued_requests
     return self.max_batch + queued
+
+  def variant_roots(self) -> tuple[Path, ...]:
+    """The directories ``POST /v1/variants`` may load from: ``admin_roots`` when given, else
+    the directories holding the configured variants (and the K-Merge pool) plus the cache root
+    (`pallas_kernels.cache.cache_root`, where the zoo writes)."""
+    from pallas_kernels.cache import cache_root
+
+    if self.admin_roots:
+      roots = [Path(r) for r in self.admin_roots]
+    else:
+      roots = [Path(p).parent for _, p in self.variants] + [cache_root()]
+      if self.kmerge_pool is not None:
+        roots.append(Path(self.kmerge_pool))
+    return tuple(dict.fromkeys(Path(os.path.abspath(r)).resolve() for r in roots))
 
   @property
   def model_id(self) -> str:
@@ -180,7 +214,8 @@ class ServerConfig:
     from bitdelta_jax.engine.multihost.runtime import DistributedConfig
 
     return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.mesh,
-                             step_timeout_s=self.step_timeout_s)
+                             step_timeout_s=self.step_timeout_s,
+                             start_timeout_s=self.start_timeout_s)
 
   @property
   def host_cache_bytes(self) -> int:
@@ -254,4 +289,5 @@ class ServerConfig:
     d = dataclasses.asdict(self)
     d["variants"] = dict(self.variants)
     d["api_key"] = None if self.api_key is None else "***"
+    d["admin_key"] = None if self.admin_key is None else "***"
     return d

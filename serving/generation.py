@@ -46,7 +46,7 @@ async def generate(server, request: web.Request, *, chat: bool) -> web.StreamRes
   """The whole request path; see the module docstring."""
   arrival = time.perf_counter()
   endpoint = "chat" if chat else "completions"
-  body = await P.read_json(request, server.cfg.max_body_bytes)
+  body = await P.read_json(request, server.cfg.max_body_bytes, server.cfg.body_timeout_s)
   model = P.model_of(body)
   if not server.router.knows(model):
     raise unknown(model)

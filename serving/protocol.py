@@ -6,6 +6,7 @@ error objects, and the JSON / server-sent-event payloads that go back.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import math
@@ -102,10 +103,16 @@ def decode_body(raw: bytes, header: str | None, limit: int) -> bytes:
   return raw
 
 
-async def read_json(request, limit: int) -> dict:
-  """The request's JSON object body, decoded per its Content-Encoding (`decode_body`)."""
-  return parse_json(decode_body(await request.read(), request.headers.get("Content-Encoding"),
-                                limit))
+async def read_json(request, limit: int, timeout: float | None = None) -> dict:
+  """The request's JSON object body, decoded per its Content-Encoding (`decode_body`); a body
+  still arriving after ``timeout`` seconds is a 408."""
+  try:
+    async with asyncio.timeout(timeout):
+      raw = await request.read()
+  except TimeoutError:
+    raise ApiError(408, f"the request body did not arrive within {timeout:g} s",
+                   code="request_timeout") from None
+  return parse_json(decode_body(raw, request.headers.get("Content-Encoding"), limit))
 
 
 def parse_json(raw: bytes) -> dict:

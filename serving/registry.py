@@ -163,6 +163,10 @@ def read_pool(path) -> tuple[PoolMember, ...]:
   return tuple(out)
 
 
+REFUSED_PATH = ("path is not a variant directory this server may load (allowed: readable "
+                "directories under the server's --variant-root directories)")
+
+
 class Registry:
   def __init__(self, base_id: str, *, admin_roots: tuple[str, ...] = (),
                banks: Banks = Banks(),
@@ -224,10 +228,11 @@ class Registry:
       if not p.is_absolute():
         raise RegistryError("path must be absolute", param="path")
       p = p.resolve()
-      if self.admin_roots and not any(p.is_relative_to(r) for r in self.admin_roots):
-        raise RegistryError(
-          f"path {str(p)!r} is outside the allowed delta roots (--variant-root)", param="path",
-          status=403, code="path_not_allowed")
+      # one answer for outside the roots, missing, not a directory and unreadable: an admin
+      # route is no oracle for what exists on the server's disk
+      if (self.admin_roots and not any(p.is_relative_to(r) for r in self.admin_roots)) or not (
+          p.is_dir() and os.access(p, os.R_OK | os.X_OK)):
+        raise RegistryError(REFUSED_PATH, param="path", status=403, code="path_not_allowed")
     return name, p.resolve()
 
   def _check_new_name(self, name) -> None:

@@ -401,11 +401,16 @@ def update_entries(path: str | os.PathLike, scales: Mapping[str, np.ndarray],
     if list(np.shape(a)) != meta["arrays"]["scale"]["shape"]:
       raise DeltaStoreError(f"{path}: new scale for {name!r} has shape {list(np.shape(a))}, "
                             f"expected {meta['arrays']['scale']['shape']}")
+    check_finite(np.asarray(a), f"{path}: new scale for {name!r} (nothing written)")
   for name, e in factors.items():
     meta = m["tensors"].get(name)
     if meta is None or meta["kind"] not in ("residual", "lora"):
       raise DeltaStoreError(f"{path}: {name!r} is not a low-rank (residual or lora) tensor of "
                             f"this delta")
+    for field in ("a", "b", "a_step", "b_step"):
+      if getattr(e, field, None) is not None:
+        check_finite(np.asarray(getattr(e, field), np.float32),
+                     f"{path}: new factor {field} for {name!r} (nothing written)")
     k, n = meta["shape"]
     widths = [int(w) for w in getattr(e, "widths", ())]
     if (tuple(np.shape(e.a)) != (k, meta["rank"]) or tuple(np.shape(e.b)) != (meta["rank"], n)

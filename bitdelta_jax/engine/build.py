@@ -177,8 +177,15 @@ def build_generator(cfg, banks: Banks = Banks(), *, tokenizer=None,
   from bitdelta_jax.engine.runner import release_free_heap
 
   release_free_heap()  # the host copies the load freed (a heap of ≤32 MB arrays) go back now
-  return Generator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
-                   page_size=cfg.page_size,
-                   num_pages=kv_pages(cfg, model.config, model.dtype.itemsize),
-                   prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
-                   tokenizer=tokenizer, mesh=mesh, step_cache_dir=step_cache_dir())
+  gen = Generator(model, max_rows=cfg.max_batch, max_seq_len=cfg.max_seq_len,
+                  page_size=cfg.page_size,
+                  num_pages=kv_pages(cfg, model.config, model.dtype.itemsize),
+                  prefill_chunk=cfg.prefill_chunk, prefix_caching=cfg.prefix_caching,
+                  tokenizer=tokenizer, mesh=mesh, step_cache_dir=step_cache_dir())
+  if cfg.num_processes > 1:  # hosts finish loading minutes apart: meet before any collective
+    from bitdelta_jax.engine.multihost import runtime
+
+    runtime.barrier("built the model", last=not cfg.warmup)
+    for r in gen.runners:
+      r.sync = runtime.barrier
+  return gen

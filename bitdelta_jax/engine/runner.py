@@ -39,7 +39,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -193,6 +193,9 @@ class PagedRunner:
     self._copy_compiled = None
     self.guard = False  # raise on a step the warm-up did not compile
     self.compiles_after_warmup = 0  # steps compiled lazily after `compile_all` (guard off)
+    # several processes: `multihost.runtime.barrier`, met after compiling and before running a
+    # new program (its collectives need every process there; compile times differ by minutes)
+    self.sync: Callable[..., None] | None = None
     self.warm = False
     # compiled steps on disk (`step_cache`): one process only (see that module)
     self.step_cache_dir = step_cache_dir if jax.process_count() == 1 else None
@@ -229,8 +232,14 @@ class PagedRunner:
             f"a step of {batch.num_tokens} tokens (base_only={bool(base_only)}) needs a program "
             "the warm-up did not compile")
         self.compiles_after_warmup += 1
-      out = self._run(self._params, self._layers, self.k_pool, self.v_pool,
-                      self._inputs(batch), bool(base_only))
+      if self.sync is not None:  # compile here, then run once every process has it
+        key = (batch.num_tokens, bool(base_only))
+        self._compiled[key] = fn = self._compile(*key)
+        self.sync(f"compiled the step of {key[0]} tokens")
+        out = fn(self._params, self._layers, self.k_pool, self.v_pool, self._inputs(batch))
+      else:
+        out = self._run(self._params, self._layers, self.k_pool, self.v_pool,
+                        self._inputs(batch), bool(base_only))
     else:  # compiled ahead of time: the static base_only is part of the program
       out = fn(self._params, self._layers, self.k_pool, self.v_pool, self._inputs(batch))
     self.k_pool, self.v_pool, out = out
@@ -282,6 +291,11 @@ class PagedRunner:
       for key, compiled, loaded in ex.map(one, todo):
         self._compiled[key] = compiled
         self.loaded_programs += loaded
+    if self.sync is not None:  # the probes below are the first collectives
+      from bitdelta_jax.engine.multihost.runtime import fault_delay
+
+      fault_delay("compile")
+      self.sync("compiled the step programs", last=True)
     t = time.perf_counter()
     for key in todo:
       self._probe(*key, progress)

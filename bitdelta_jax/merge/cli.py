@@ -256,6 +256,17 @@ def _layout(reader: CheckpointReader) -> dict[str, list[str]]:
   return files
 
 
+def _finite(a, name: str, where) -> None:
+  """Refuses (`CheckpointError`: exit 2, nothing written) a float tensor holding inf / NaN,
+  as an input (``where``: its checkpoint) or as the merge's result."""
+  a = np.asarray(a)
+  if _is_float(a.dtype):
+    bad = int(np.count_nonzero(~np.isfinite(a)))
+    if bad:
+      raise CheckpointError(f"{where}: tensor {name!r} holds {bad} non-finite value(s) (inf / "
+                            "NaN); a merged checkpoint must be finite, nothing written")
+
+
 def _read_all(readers, name, shape) -> list[np.ndarray]:
   out = []
   for r in readers:
@@ -266,7 +277,9 @@ def _read_all(readers, name, shape) -> list[np.ndarray]:
       raise CheckpointError(
         f"{r.path}: tensor {name!r} has shape {list(info.shape)}, the base {list(shape)}"
       )
-    out.append(r.read(name, copy=False))
+    x = r.read(name, copy=False)
+    _finite(x, name, r.path)
+    out.append(x)
   return out
 
 
@@ -309,12 +322,15 @@ def _run_tensorwise(fn, base, models, layout, out_dtype, tmp: Path, args) -> Non
     with SafetensorsWriter(tmp / fname, specs, {"format": "pt"}) as writer:
       for name in names:
         b = base.read(name, copy=False)
+        _finite(b, name, base.path)
         xs = _read_all(models, name, b.shape)
         if _is_float(b.dtype):
           merged = np.asarray(fn(name, jnp.asarray(b), [jnp.asarray(x) for x in xs]))
         else:  # integer buffers are not merged
           merged = b if args.base else xs[0]
-        writer.write(name, merged.astype(out_dtype[name]))
+        merged = merged.astype(out_dtype[name])
+        _finite(merged, name, "the merge's result (e.g. an overflow of --dtype)")
+        writer.write(name, merged)
 
 
 def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
@@ -326,7 +342,9 @@ def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
   specs = {n: (base.info(n).shape, np.float32) for n in floats}
   with SafetensorsWriter(scratch, specs) as writer:  # pass 1: S per tensor
     for name in floats:
-      b = jnp.asarray(base.read(name, copy=False), jnp.float32)
+      b = base.read(name, copy=False)
+      _finite(b, name, base.path)
+      b = jnp.asarray(b, jnp.float32)
       xs = _read_all(models, name, b.shape)
       acc = None
       for i, x in enumerate(xs):
@@ -352,7 +370,9 @@ def _run_opcm(base, models, layout, out_dtype, tmp: Path, alpha: float) -> None:
             merged = b.astype(np.float32) + scale * acc_reader.read(name, copy=False)
           else:
             merged = b
-          writer.write(name, merged.astype(out_dtype[name]))
+          merged = merged.astype(out_dtype[name])
+          _finite(merged, name, "the merge's result (e.g. an overflow of --dtype)")
+          writer.write(name, merged)
   scratch.unlink()
 
 

@@ -2,6 +2,7 @@
 factors train, are written back at their stored widths, and the written delta serves exactly
 W_base + α·S + a·b computed in numpy from the stored arrays."""
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -222,6 +223,11 @@ def test_update_entries_rejects_mismatched_factors_and_kinds(pair, tmp_path):
   norm = next(n for n, t in m["tensors"].items() if "norm" in n)
   with pytest.raises(DeltaStoreError, match="not a low-rank"):
     update_entries(d, {}, {norm: e}, {"method": "x"})
+  # a distillation that diverged: a non-finite factor is refused, naming the tensor
+  a = np.array(e.a, np.float32)
+  a[0, 0] = np.inf
+  with pytest.raises(DeltaStoreError, match=f"new factor a for '{name}'.*1 non-finite"):
+    update_entries(d, {}, {name: dataclasses.replace(e, a=a)}, {"method": "x"})
   assert read_manifest(d) == m  # nothing written
 
 

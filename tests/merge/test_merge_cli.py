@@ -214,6 +214,34 @@ def test_failure_leaves_no_output(ckpts, tmp_path):
   assert not list(tmp_path.glob(".bitdelta-*"))
 
 
+@pytest.mark.parametrize("method", ["task-arithmetic", "opcm"])
+def test_a_non_finite_input_or_result_is_refused_and_nothing_written(ckpts, tmp_path, capsys,
+                                                                    method):
+  from bitdelta_jax.cli import main
+
+  root, base, models = ckpts
+  poisoned = {k: v.copy() for k, v in models[0].items()}
+  poisoned["model.layers.0.mlp.up_proj.weight"][3, 2] = np.nan
+  (tmp_path / "nan").mkdir()
+  save_file(poisoned, tmp_path / "nan" / "model.safetensors")
+  out = tmp_path / "o"
+  code = main(["merge", method, "--base", str(root / "base"), "--models", str(tmp_path / "nan"),
+               str(root / "m1"), "--out", str(out)])
+  err = capsys.readouterr().err
+  assert code == 2 and "model.layers.0.mlp.up_proj.weight" in err and str(tmp_path / "nan") in err
+  assert "1 non-finite" in err and "Traceback" not in err
+  assert not out.exists() and not list(tmp_path.glob(".o.*"))
+  # a result that overflows the output dtype: 3 models of 1e5 + ... summed into float16
+  big = {k: (v * 1e4 if v.dtype == np.float32 else v) for k, v in models[1].items()}
+  (tmp_path / "big").mkdir()
+  save_file(big, tmp_path / "big" / "model.safetensors")
+  code = main(["merge", "task-arithmetic", "--base", str(root / "base"), "--models",
+               str(tmp_path / "big"), "--lambda", "10", "--dtype", "float16", "--out", str(out)])
+  err = capsys.readouterr().err
+  assert code == 2 and "the merge's result" in err and "non-finite" in err, err
+  assert not out.exists()
+
+
 def _merge(root, method, out, *extra):
   models = [str(root / f"m{i}") for i in range(3)]
   run(method, "--base", str(root / "base"), "--models", *models, *extra, "--out", str(out))

@@ -85,6 +85,36 @@ def test_cli_flags(tmp_path):
     config_from_args(parse(["serve"]))
 
 
+def test_admin_key_and_variant_roots(tmp_path, monkeypatch):
+  from pathlib import Path
+
+  from serving.cli import banner
+
+  monkeypatch.setenv("BITDELTA_CACHE", str(tmp_path / "cache"))
+  a = parse(["serve", "--base", "/m/b", "--variant", "x=/d/one/x", "--variant", "y=/d/two/y",
+             "--api-key", "k", "--admin-key", "a"])
+  c = config_from_args(a)
+  assert (c.api_key, c.admin_key) == ("k", "a")
+  assert c.to_dict()["admin_key"] == "***" and c.to_dict()["api_key"] == "***"
+  # default: the configured variants' directories and the cache root
+  assert c.variant_roots() == (Path("/d/one"), Path("/d/two"), tmp_path / "cache")
+  assert "loads directories under: /d/one, /d/two" in banner(c, "http://h:1")
+  c = config_from_args(parse(["serve", "--base", "/m/b", "--variant-root", "/srv/deltas",
+                              "--variant-root", "/srv/more"]))
+  assert c.variant_roots() == (Path("/srv/deltas"), Path("/srv/more"))
+  assert "open (no --admin-key)" in banner(c, "http://h:1")
+  c = config_from_args(parse(["serve", "--base", "/m/b", "--variant-root", "/"]))
+  assert c.variant_roots() == (Path("/"),) and "any path" in banner(c, "http://h:1")
+  c = config_from_args(parse(["serve", "--base", "/m/b", "--api-key", "k"]))
+  assert "off (an API key without --admin-key" in banner(c, "http://h:1")
+  monkeypatch.setenv("BITDELTA_ADMIN_KEY", "from-env")
+  assert config_from_args(parse(["serve", "--base", "/m/b"])).admin_key == "from-env"
+  with pytest.raises(ConfigError, match="admin_key: must differ from api_key"):
+    ServerConfig(base="/m/b", api_key="same", admin_key="same")
+  with pytest.raises(ConfigError, match="admin_key: must be a non-empty string"):
+    ServerConfig(base="/m/b", admin_key=" a")
+
+
 def test_cli_flags_override_config_file(tmp_path):
   f = tmp_path / "c.json"
   f.write_text(json.dumps({"base": "/m/b", "variants": {"x": "/d/x"}, "port": 7000,

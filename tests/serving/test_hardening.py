@@ -54,9 +54,13 @@ def config(family, **kw) -> ServerConfig:
   return ServerConfig(**d)
 
 
+SLOW_S = 2.0  # the test server's header and body timeouts
+
+
 @pytest.fixture(scope="module")
 def server(family):
-  with ServerThread(config(family, skip_bad_variants=True)) as h:
+  with ServerThread(config(family, skip_bad_variants=True, header_timeout_s=SLOW_S,
+                          body_timeout_s=SLOW_S)) as h:
     yield h
 
 
@@ -389,6 +393,131 @@ def test_non_streaming_client_disconnect_stops_decoding(server):
   assert metric(text, "bitdelta_requests_total", model="v1", endpoint="completions",
                 status="499") == 1
   assert engine.active_rows == 0
+
+
+# -- issue 50 item 4: slow and oversized clients --------------------------------------------------
+def _closed_after(sock: socket.socket, limit_s: float) -> float | None:
+  """Seconds until the server closed ``sock`` (reads to EOF), None if open after ``limit_s``."""
+  t0 = time.perf_counter()
+  sock.settimeout(0.2)
+  while time.perf_counter() - t0 < limit_s:
+    try:
+      if sock.recv(65536) == b"":
+        return time.perf_counter() - t0
+    except TimeoutError:
+      continue
+    except ConnectionResetError:
+      return time.perf_counter() - t0
+  return None
+
+
+def _raw(h, head: bytes) -> socket.socket:
+  s = socket.create_connection(("127.0.0.1", h.port), timeout=10)
+  s.sendall(head)
+  return s
+
+
+def test_slow_header_clients_are_closed_within_the_timeout(server):
+  import os
+
+  fds = len(os.listdir("/proc/self/fd"))
+  socks = [_raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n") for _ in range(40)]
+  t0 = time.perf_counter()
+  for i in range(6):  # trickle one more header line on each, past the timeout
+    time.sleep(0.5)
+    for s in socks:
+      try:
+        s.sendall(b"X-Slow-%d: 1\r\n" % i)
+      except OSError:
+        pass  # already closed
+  closed = [_closed_after(s, 3 * SLOW_S) for s in socks]
+  assert None not in closed, closed
+  assert time.perf_counter() - t0 < 3 * SLOW_S + 1
+  for s in socks:
+    s.close()
+  wait_for(lambda: len(os.listdir("/proc/self/fd")) <= fds + 2, "the connections' fds are freed")
+  assert get(server, "/health").json()["status"] in ("ok", "degraded")
+
+
+def test_an_oversized_declared_body_is_a_413_before_reading(server):
+  s = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: 5000000000\r\n\r\n{")
+  t0 = time.perf_counter()
+  s.settimeout(SLOW_S / 2)  # well before the body timeout
+  head = s.recv(65536)
+  assert head.startswith(b"HTTP/1.1 413"), head[:200]
+  assert time.perf_counter() - t0 < SLOW_S / 2
+  body = json.loads(head.split(b"\r\n\r\n", 1)[1])
+  assert body["error"]["code"] == "request_too_large" and "5000000000" in body["error"]["message"]
+  s.close()
+
+
+def test_a_slow_body_is_a_408(server):
+  s = _raw(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                   b"\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+  t0 = time.perf_counter()
+  s.settimeout(3 * SLOW_S)
+  head = s.recv(65536)
+  assert head.startswith(b"HTTP/1.1 408"), head[:200]
+  assert SLOW_S * 0.9 < time.perf_counter() - t0 < 3 * SLOW_S
+  assert b"request_timeout" in head
+  s.close()
+
+
+def test_malformed_requests_log_one_warning_line_not_tracebacks(server, caplog):
+  from serving import malformed_log
+
+  f = malformed_log.install()
+  before = f.total
+  bad = [b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n\r\n",
+         b"GET /health HTTP/1.1\r\n" + b"".join(b"X%d: 1\r\n" % i for i in range(20000))
+         + b"\r\n"]
+  with caplog.at_level("INFO"):
+    for head in bad * 3:
+      s = _raw(server, head)
+      s.settimeout(10)
+      assert s.recv(200).startswith(b"HTTP/1.0 400"), head[:40]
+      s.close()
+    wait_for(lambda: f.total == before + len(bad) * 3, "every malformed request was seen")
+  assert not [r for r in caplog.records if r.name.startswith("aiohttp") and r.exc_info]
+  lines = [r for r in caplog.records if r.name == "serving.http"]
+  assert len(lines) <= 1 and all("\n" not in r.getMessage() for r in lines), lines
+
+
+def test_the_malformed_request_log_is_rate_limited():
+  import logging
+
+  from aiohttp.http_exceptions import LineTooLong
+
+  from serving.malformed_log import MalformedRequestFilter
+
+  now = [0.0]
+  f = MalformedRequestFilter(interval_s=10, clock=lambda: now[0])
+  out = []
+  handler = logging.Handler()
+  handler.emit = out.append
+  logging.getLogger("serving.http").addHandler(handler)
+  try:
+    def record():
+      try:
+        raise LineTooLong("x" * 50, "8190")
+      except LineTooLong as e:
+        return logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1,
+                                 "Error handling request from %s", ("10.0.0.7",),
+                                 (type(e), e, e.__traceback__))
+
+    assert [f.filter(record()) for _ in range(4)] == [False] * 4
+    now[0] = 11
+    assert f.filter(record()) is False
+    plain = logging.LogRecord("aiohttp.server", logging.ERROR, __file__, 1, "other", (), None)
+    assert f.filter(plain) is True  # anything else passes
+  finally:
+    logging.getLogger("serving.http").removeHandler(handler)
+  msgs = [r.getMessage() for r in out]
+  assert len(msgs) == 2 and all(r.levelname == "WARNING" for r in out), msgs
+  assert "from 10.0.0.7" in msgs[0] and "400" in msgs[0] and "since the last line" not in msgs[0]
+  assert "(+3 more since the last line)" in msgs[1]
+  assert f.total == 5
 
 
 def test_server_still_healthy(server):

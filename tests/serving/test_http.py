@@ -1,7 +1,7 @@
 """The real server on a loopback port, driven over HTTP (requests, aiohttp, the openai client).
 
 One server for the module: a tiny base, 5 variants, one corrupt delta directory, 3 device
-slots (one pinned), a host budget of two deltas, and an API key.
+slots (one pinned), a host budget of two deltas, an API key and an admin key.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from serving.testing import corrupt_arrays, synthetic_family
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 KEY = "test-key"
+ADMIN = "admin-key"
 H = {"Authorization": f"Bearer {KEY}"}
+AH = {"Authorization": f"Bearer {ADMIN}"}  # the admin routes (/v1/variants)
 VARIANTS = ["v0", "v1", "v2", "v3", "v4"]
 PROMPTS = ["hello", "The quick brown fox", "1 2 3 4"]
 
@@ -38,7 +40,7 @@ def family(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(family, serve):
   base, deltas, _, broken = family
-  with serve(base, {**deltas, "broken": broken}, api_key=KEY, device_slots=3, pins=("v3",),
+  with serve(base, {**deltas, "broken": broken}, api_key=KEY, admin_key=ADMIN, device_slots=3, pins=("v3",),
              host_cache_mb=2.5 * 9912 / (1 << 20), max_batch=4, max_seq_len=64,
              default_max_tokens=16, load_retry_s=0.5, max_body_bytes=64 * 1024,
              max_queued_requests=256) as h:  # its bursts queue (admission: test_admission)
@@ -46,12 +48,16 @@ def server(family, serve):
     yield h
 
 
-def post(h, path, body, headers=H, **kw):
-  return requests.post(h.url + path, json=body, headers=headers, timeout=60, **kw)
+def _key(path):
+  return AH if path.startswith("/v1/variants") else H
 
 
-def get(h, path, headers=H):
-  return requests.get(h.url + path, headers=headers, timeout=60)
+def post(h, path, body, headers=None, **kw):
+  return requests.post(h.url + path, json=body, headers=headers or _key(path), timeout=60, **kw)
+
+
+def get(h, path, headers=None):
+  return requests.get(h.url + path, headers=headers or _key(path), timeout=60)
 
 
 def complete(h, model, prompt, **kw):
@@ -97,9 +103,28 @@ def test_health_needs_no_key(server):
   ("delete", "/v1/variants/v0"),
 ])
 def test_api_key_enforced_everywhere_but_health(server, method, path):
-  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                  {"Authorization": ADMIN}):  # (no "Bearer ")
     r = getattr(requests, method)(server.url + path, headers=headers, json={}, timeout=10)
     is_error(r, 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("method,path", [
+  ("get", "/v1/variants"), ("post", "/v1/variants"), ("delete", "/v1/variants/v0"),
+])
+def test_the_inference_key_cannot_reach_admin_routes(server, method, path):
+  r = getattr(requests, method)(server.url + path, headers=H, json={}, timeout=10)
+  err = is_error(r, 403, "admin_key_required")
+  assert "admin key" in err["message"]
+  assert "v0" in variants_info(server)  # nothing was deleted
+
+
+def test_the_admin_key_reaches_every_route(server):
+  assert get(server, "/v1/variants", headers=AH).status_code == 200
+  assert get(server, "/v1/models", headers=AH).status_code == 200
+  r = post(server, "/v1/completions", {"model": "v1", "prompt": "hi", "max_tokens": 1},
+           headers=AH)
+  assert r.status_code == 200, r.text
 
 
 def test_models_lists_base_and_variants(server):
@@ -373,9 +398,9 @@ def test_corrupt_delta_fails_cleanly_and_others_keep_serving(server):
   info = variants_info(server)["broken"]
   assert info["last_error"] and info["tier"] == "disk"
   assert get(server, "/health").json()["status"] == "ok"
-  # an invalid directory cannot even be registered
+  # a directory outside the variant roots cannot even be registered
   is_error(post(server, "/v1/variants", {"name": "nomanifest", "path": str(server.cfg.base)}),
-           400, param="path")
+           403, "path_not_allowed", param="path")
 
 
 # -- admin --------------------------------------------------------------------------------------
@@ -387,11 +412,11 @@ def test_admin_register_validation(server, family):
   is_error(post(server, "/v1/variants", {"name": "../evil", "path": path}), 400, param="name")
   is_error(post(server, "/v1/variants", {"name": "a/b", "path": path}), 400, param="name")
   is_error(post(server, "/v1/variants", {"name": "rel", "path": "deltas/x1"}), 400, param="path")
-  is_error(post(server, "/v1/variants", {"name": "gone", "path": path + "-missing"}), 400,
-           param="path")
+  is_error(post(server, "/v1/variants", {"name": "bad", "path": str(deltas["v0"].parent)}), 400,
+           "invalid_delta", param="path")  # inside the roots: the problem is named
   is_error(post(server, "/v1/variants", {"name": "v0", "path": path}), 409, "variant_exists")
   is_error(post(server, "/v1/variants", {"name": "base", "path": path}), 409, "variant_exists")
-  r = requests.post(server.url + "/v1/variants", data=b"[", headers=H, timeout=10)
+  r = requests.post(server.url + "/v1/variants", data=b"[", headers=AH, timeout=10)
   is_error(r, 400, "invalid_json")
   r = post(server, "/v1/variants", {"name": "late", "path": path})
   assert r.status_code == 201 and r.json()["tier"] == "disk" and r.json()["bytes"] > 0
@@ -400,9 +425,29 @@ def test_admin_register_validation(server, family):
   assert complete(server, "late", "hi", max_tokens=2)["model"] == "late"
   info = variants_info(server)["late"]
   assert info["requests"] == 1 and info["tier"] in ("device", "host") and info["loads"] == 1
-  assert requests.delete(server.url + "/v1/variants/late", headers=H, timeout=30).json()["deleted"]
-  is_error(requests.delete(server.url + "/v1/variants/late", headers=H, timeout=30), 404)
-  is_error(requests.delete(server.url + "/v1/variants/base", headers=H, timeout=30), 400)
+  assert requests.delete(server.url + "/v1/variants/late", headers=AH, timeout=30).json()["deleted"]
+  is_error(requests.delete(server.url + "/v1/variants/late", headers=AH, timeout=30), 404)
+  is_error(requests.delete(server.url + "/v1/variants/base", headers=AH, timeout=30), 400)
+
+
+def test_refused_paths_read_alike(server, family, tmp_path):
+  """Outside the roots, missing, a file, a link out of the roots: one status, one message, so
+  the admin route tells nothing about the server's disk."""
+  base, deltas, _, _ = family
+  root = deltas["v0"].parent
+  link = root / "link-out"
+  link.symlink_to(base.resolve(), target_is_directory=True)
+  try:
+    paths = [str(root / "missing"), "/etc", "/no/such/dir", str(deltas["v0"] / "manifest.json"),
+             str(link), str(tmp_path)]
+    msgs = set()
+    for i, p in enumerate(paths):
+      err = is_error(post(server, "/v1/variants", {"name": f"refused{i}", "path": p}), 403,
+                     "path_not_allowed", param="path")
+      msgs.add(err["message"])
+    assert len(msgs) == 1 and not any(p in next(iter(msgs)) for p in paths), msgs
+  finally:
+    link.unlink()
 
 
 def test_delete_waits_for_in_flight_requests(server, family):
@@ -424,7 +469,7 @@ def test_delete_waits_for_in_flight_requests(server, family):
     result["events"] = sse_events("\n\n".join(x.decode() for x in lines if x))
 
   def delete():
-    r = requests.delete(server.url + "/v1/variants/doomed", headers=H, timeout=60)
+    r = requests.delete(server.url + "/v1/variants/doomed", headers=AH, timeout=60)
     times["delete_done"] = time.time()
     result["delete"] = r
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -78,12 +79,13 @@ def test_lora_and_bitdelta_in_one_server(setup):
     got[("lora", PROMPTS[0])] != got[("base", PROMPTS[0])]
 
 
-def test_bad_adapter_registration(setup, tmp_path):
+def test_bad_adapter_registration(setup):
   h, base_dir, tensors, _, _ = setup
   wide = from_factors({"model.layers.0.self_attn.q_proj": (
     np.ones((16, tensors["model.layers.0.self_attn.q_proj.weight"].shape[1]), np.float32),
     np.ones((tensors["model.layers.0.self_attn.q_proj.weight"].shape[0], 16), np.float32))})
-  save_adapter(wide, tmp_path / "wide")
-  r = requests.post(h.url + "/v1/variants", json={"name": "wide", "path": str(tmp_path / "wide")},
+  wide_dir = Path(dict(h.cfg.variants)["lora"]).parent / "wide"  # under the variant roots
+  save_adapter(wide, wide_dir)
+  r = requests.post(h.url + "/v1/variants", json={"name": "wide", "path": str(wide_dir)},
                     timeout=30)
   assert r.status_code == 400 and "exceeds the server's LoRA slot rank" in r.text

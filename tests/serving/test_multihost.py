@@ -14,6 +14,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -387,23 +388,28 @@ def _answers(url, parallel: bool) -> list:
     return list(ex.map(lambda mp: _complete(url, *mp), REQUESTS))
 
 
-def _start_pair(root, cfg: ServerConfig, http_port: int):
+def _start_pair(root, cfg: ServerConfig, http_port: int, *, straggle_s: float = 0.0,
+                processes=(0, 1), extra=()):
+  """The two processes of one server (``processes``: which of them to start); process 1
+  sleeps ``straggle_s`` between compiling and its first collective."""
   f = root / "serve.json"
   d = cfg.to_dict()
-  d.pop("api_key")
+  d.pop("api_key"), d.pop("admin_key")
   f.write_text(json.dumps(d))
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
              JAX_PLATFORMS="cpu", BITDELTA_CPU_THREADS="1")
   coord = _free_port()
   procs, logs = [], []
-  for i in range(2):
+  for i in processes:
     log = open(root / f"p{i}.log", "w")
     logs.append(root / f"p{i}.log")
+    fault = {"BITDELTA_FAULT_STAGE": "compile", "BITDELTA_FAULT_START_DELAY_S": str(straggle_s)}
     procs.append(subprocess.Popen(
       [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--config", str(f), "--port",
        str(http_port), "--coordinator", f"127.0.0.1:{coord}", "--num-processes", "2",
-       "--process-id", str(i), "--mesh", "data=2,model=4", "--step-timeout", str(STEP_TIMEOUT)],
-      env=env, stdout=log, stderr=subprocess.STDOUT))
+       "--process-id", str(i), "--mesh", "data=2,model=4", "--step-timeout", str(STEP_TIMEOUT),
+       *extra], env={**env, **fault} if i == 1 and straggle_s else env, stdout=log,
+      stderr=subprocess.STDOUT))
   return procs, logs
 
 
@@ -422,14 +428,22 @@ def _wait_healthy(url, procs, logs, timeout=150):
   pytest.fail("multi-process server did not become healthy:\n" + logs[0].read_text()[-4000:])
 
 
+STRAGGLE_S = 35.0  # past gloo's 30 s to create a communicator (issue 50's start-up failure)
+
+
 def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request):
+  """One process reaches its first collective 35 s after the other (the straggler of a fleet
+  with warm and cold step caches): the start waits for it, then both serve like one."""
   root, cfg = family
   http_port = _free_port()
   url = f"http://127.0.0.1:{http_port}"
-  procs, logs = _start_pair(root, cfg, http_port)
+  procs, logs = _start_pair(root, cfg, http_port, straggle_s=STRAGGLE_S)
   try:
     want, rich = request.getfixturevalue("reference")  # computed here while the pair starts
-    _wait_healthy(url, procs, logs)
+    _wait_healthy(url, procs, logs, timeout=150 + STRAGGLE_S)
+    waited = re.search(r"waited ([0-9.]+) s for every process to have compiled the step programs",
+                       logs[0].read_text())
+    assert waited and float(waited.group(1)) > STRAGGLE_S - 5, logs[0].read_text()[-3000:]
     assert requests.get(url + "/health").json()["processes"] == 2
     assert _answers(url, parallel=True) == want
     _same_rich(_rich(url), rich)
@@ -473,6 +487,22 @@ def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request)
       except subprocess.TimeoutExpired:
         p.kill()
   assert procs[0].returncode == 0, logs[0].read_text()[-4000:]
+
+
+def test_a_peer_that_never_arrives_is_one_line_and_exit_1(family, tmp_path):
+  root, cfg = family
+  procs, logs = _start_pair(root, cfg, _free_port(), processes=(0,),
+                            extra=("--start-timeout", "4"))
+  try:
+    assert procs[0].wait(60) == 1
+  finally:
+    if procs[0].poll() is None:
+      procs[0].kill()
+  out = logs[0].read_text()
+  err = [ln for ln in out.splitlines() if ln.startswith("error:")]
+  assert len(err) == 1 and "start-up did not finish within 4 s (--start-timeout)" in err[0], out
+  assert "joining the 2 processes" in err[0], out
+  assert "Traceback" not in out and "Check failure" not in out, out
 
 
 def test_single_process_mesh_serves_like_one_device(family, reference):

@@ -240,9 +240,10 @@ def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
   waits for the followers to connect; returns the `PlanSender`. Call it before any
   computation on the mesh (where the followers start `run_follower`)."""
   from bitdelta_jax.engine.multihost.channel import PlanSender
-  from bitdelta_jax.engine.multihost.runtime import broadcast_json
+  from bitdelta_jax.engine.multihost.runtime import barrier, broadcast_json
 
   sender = PlanSender(cfg.num_processes - 1)
+  barrier("joined")  # the broadcast is a collective: every peer must be there for it
   broadcast_json({"build": build, "port": sender.port, "token": sender.token.hex()},
                  max_bytes=1 << 14)
   sender.accept(accept_timeout_s)
@@ -258,8 +259,9 @@ def run_follower(cfg) -> int:
   from bitdelta_jax.engine.bank_options import Banks
   from bitdelta_jax.engine.build import build_generator
   from bitdelta_jax.engine.multihost.channel import PlanReceiver
-  from bitdelta_jax.engine.multihost.runtime import broadcast_json
+  from bitdelta_jax.engine.multihost.runtime import barrier, broadcast_json
 
+  barrier("joined")
   try:
     hello = broadcast_json(None, max_bytes=1 << 14)
     host = cfg.coordinator.rsplit(":", 1)[0]
