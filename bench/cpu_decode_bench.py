@@ -259,12 +259,12 @@ def host_timing(base, prompts_ids: list[list[int]], tokens: int, rows=(1, 8)) ->
   import numpy as np
 
   from bitdelta_jax.engine.build import build_generator
+  from bitdelta_jax.engine.config import EngineConfig
   from bitdelta_jax.engine.sampling import sample
   from bitdelta_jax.engine.sampling_params import SamplingParams
-  from serving.config import ServerConfig
 
   # the server's step shapes; a smaller KV pool (attention reads only the live pages)
-  gen = build_generator(ServerConfig(base=str(base), max_batch=32, max_seq_len=2048,
+  gen = build_generator(EngineConfig(base=str(base), max_batch=32, max_seq_len=2048,
                                      kv_cache_mb=256))
   runner, acc = gen.runner, {"run": 0.0, "fetch": 0.0}
 

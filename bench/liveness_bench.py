@@ -49,7 +49,7 @@ def sweep_vs_step(rounds: int) -> list[dict]:
   base, _ = _family()
   gen = Generator(from_pretrained(base, jnp.float32, num_slots=2), max_rows=32,
                        max_seq_len=256, page_size=16)
-  engine = Engine(ServerConfig(base=str(base)), Metrics(), None)
+  engine = Engine(ServerConfig(base=str(base)).engine_config(), Metrics(), None)
   out = []
   for live in (1, 8, 32):
     p = SamplingParams(max_new_tokens=10_000)  # no stop ids: never ends by itself

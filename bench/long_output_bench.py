@@ -125,7 +125,8 @@ def main() -> None:
   max_len = args.tokens + 64
   gen = Generator(model, max_rows=1, max_seq_len=max_len, page_size=16, prefill_chunk=64,
                   tokenizer=tok)
-  engine = Engine(ServerConfig(base=str(base), max_seq_len=max_len), Metrics(), tok)
+  engine = Engine(ServerConfig(base=str(base), max_seq_len=max_len).engine_config(), Metrics(),
+                  tok)
   prompt = tok.encode("Write a long story about a lighthouse keeper and the sea.")
   generate_once(gen, engine, prompt, 40)  # compiles the prefill and decode buckets
 

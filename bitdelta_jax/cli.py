@@ -308,6 +308,9 @@ def run_command(fn, args) -> int:
   interrupts = _Interrupts()
   restore = interrupts.install()
   try:
+    from pallas_kernels import settings
+
+    settings.check_all()  # a BITDELTA_* variable that does not parse: exit 2, naming it
     rc = fn(args)
     sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
     return rc

@@ -127,7 +127,7 @@ class Server:
                              base_dir=cfg.base, base_shapes=shapes)
     await self._add_config_variants()
     self._add_pool_tasks()
-    self.engine = Engine(cfg, self.metrics, self.tokenizer, banks=banks)
+    self.engine = Engine(cfg.engine_config(), self.metrics, self.tokenizer, banks=banks)
     self.engine.on_fatal = lambda why: loop.call_soon_threadsafe(self.engine_failed.set)
     await asyncio.wrap_future(self.engine.start())
     self.cache = DeltaCache(cfg, self.metrics, read_delta=self._read_delta,

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from pallas_kernels import settings
 from serving.config import ConfigError, ServerConfig
 
 # flag dest -> ServerConfig field (flags left unset do not override the config file)
@@ -62,10 +63,10 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
   p.add_argument("--base-name", help="the base's model id (default: its directory name)")
   p.add_argument("--host", help="bind address (default 127.0.0.1)")
   p.add_argument("--port", type=int, help="port (default 8000; 0 = any free port)")
-  p.add_argument("--api-key", default=os.environ.get("BITDELTA_API_KEY"),
+  p.add_argument("--api-key", default=settings.get("BITDELTA_API_KEY"),
                  help="inference routes and /metrics require 'Authorization: Bearer KEY' "
                       "(default: $BITDELTA_API_KEY)")
-  p.add_argument("--admin-key", default=os.environ.get("BITDELTA_ADMIN_KEY"),
+  p.add_argument("--admin-key", default=settings.get("BITDELTA_ADMIN_KEY"),
                  help="the admin routes (/v1/variants) require 'Authorization: Bearer KEY'; the "
                       "inference key alone gets 403 there. With --api-key and no admin key the "
                       "admin routes are off (default: $BITDELTA_ADMIN_KEY)")
@@ -380,7 +381,7 @@ def run_server(config: ServerConfig, *, demo: bool = False, quiet: bool = False)
     if config.process_id != 0:
       from bitdelta_jax.engine.multihost.leader import run_follower
 
-      code = run_follower(config)
+      code = run_follower(config.engine_config())
       sys.stdout.flush()
       sys.stderr.flush()
       os._exit(code)

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pallas_kernels import settings
+
 # Variant / model names: what may appear in a request's ``model`` field. No slashes, no "..".
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
 MESH_RE = re.compile(r"^\s*(data|model)\s*=\s*[1-9][0-9]*\s*(,\s*(data|model)\s*=\s*[1-9][0-9]*\s*)?$")
@@ -90,7 +92,7 @@ class ServerConfig:
   # after the warm-up, a step that would compile raises instead (the request fails); otherwise
   # it compiles on the device thread and is counted (/health "compiles_after_warmup")
   forbid_compile_after_warmup: bool = dataclasses.field(
-    default_factory=lambda: os.environ.get("BITDELTA_FORBID_COMPILE_AFTER_WARMUP") == "1")
+    default_factory=lambda: settings.get("BITDELTA_FORBID_COMPILE_AFTER_WARMUP"))
   io_threads: int = 2
   # scale-out (docs/SCALING.md): a device mesh, and several processes over one global mesh
   mesh: str | None = None  # "data=D,model=M"; None: one device (or all devices, multi-process)
@@ -208,14 +210,17 @@ class ServerConfig:
     """Serve through `bitdelta_jax.sharding` (a mesh was given, or several processes)."""
     return self.mesh is not None or self.multi_process
 
+  def engine_config(self):
+    """The `bitdelta_jax.engine.config.EngineConfig` of these fields (what the engine, the
+    generator builder and the multi-process runtime read)."""
+    from bitdelta_jax.engine.config import EngineConfig
+
+    return EngineConfig.of(self)
+
   @property
   def distributed(self):
     """The `bitdelta_jax.engine.multihost.runtime.DistributedConfig` of these fields."""
-    from bitdelta_jax.engine.multihost.runtime import DistributedConfig
-
-    return DistributedConfig(self.coordinator, self.num_processes, self.process_id, self.mesh,
-                             step_timeout_s=self.step_timeout_s,
-                             start_timeout_s=self.start_timeout_s)
+    return self.engine_config().distributed
 
   @property
   def host_cache_bytes(self) -> int:

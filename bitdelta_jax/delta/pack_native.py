@@ -15,6 +15,7 @@ import pathlib
 import ml_dtypes
 import numpy as np
 
+from pallas_kernels import settings
 from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("pack_kernel.cc")
@@ -47,7 +48,7 @@ def pack_rows(base: np.ndarray, ft: np.ndarray, group_k: int):
   bits = np.empty((r, k_pad // 8), np.uint8)
   a, s = np.empty(r, np.float64), np.empty(r, np.float64)
   changed = ctypes.c_int(0)
-  threads = int(os.environ.get("BITDELTA_CPU_THREADS") or os.cpu_count() or 1)
+  threads = settings.get("BITDELTA_CPU_THREADS") or os.cpu_count() or 1
   rc = lib.bitdelta_pack_rows(
     base.ctypes.data, _DTYPES[base.dtype], ft.ctypes.data, _DTYPES[ft.dtype], r, k, group_k,
     threads, bits.ctypes.data, a.ctypes.data, s.ctypes.data, ctypes.addressof(changed))

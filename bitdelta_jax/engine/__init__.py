@@ -5,11 +5,12 @@ several processes. `serving/` wraps it in HTTP; a Python program uses it directl
     gen = Generator(model, max_rows=8, max_seq_len=1024, tokenizer=tok)   # offline
     gen.generate([[1, 2, 3]], slot_ids=[1], params=SamplingParams(max_new_tokens=16))
 
-    engine = Engine(cfg, tokenizer=tok); engine.start().result()         # device thread
+    engine = Engine(EngineConfig(base=dir), tokenizer=tok); engine.start().result()  # device thread
     engine.generate([[1, 2, 3]], params=SamplingParams(max_new_tokens=16))  # offline, or
     engine.submit(Request(prompt, slot, params, model="name", emit=callback))  # streaming
 
-``cfg``: the engine fields of a `serving.config.ServerConfig` (base, mesh, rows, KV cache, ...).
+`EngineConfig` (`config`): base, mesh, rows, KV cache, timeouts; a server builds it from its own
+(`serving.config.ServerConfig.engine_config`), and the engine never imports `serving`.
 On a mesh with ``data > 1`` the `Generator` runs one scheduler per data group; across
 processes `Engine` (process 0) leads and the others run `multihost.leader.run_follower`.
 
@@ -36,6 +37,7 @@ _EXPORTS = {
   "Event": "request",
   "SamplingParams": "sampling_params",
   "Engine": "engine",
+  "EngineConfig": "config",
 }
 
 __all__ = [*_EXPORTS]

@@ -6,9 +6,8 @@ checks (`serving.app`) and the engine ask the same functions.
     pages = kv_pages(cfg, model_config)                     # KV pages of each data group
     gen = build_generator(cfg, banks, tokenizer=tok)
 
-``cfg`` is a `serving.config.ServerConfig` or any object with its engine fields (base, dtype,
-mesh, device_slots, max_batch, max_seq_len, page_size, kv_cache_mb, prefill_chunk,
-prefix_caching).
+``cfg`` is an `bitdelta_jax.engine.config.EngineConfig` (`kv_pages` and `data_size` read
+only its fields: a server's `serving.config.ServerConfig` answers them too).
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import pathlib
 from collections.abc import Callable
 
 from bitdelta_jax.engine.bank_options import Banks
+from pallas_kernels import settings
 from pallas_kernels.cache import cache_root
 
 log = logging.getLogger("bitdelta_jax.engine")
@@ -30,7 +30,7 @@ def compile_cache_root() -> pathlib.Path | None:
   compiles), any other value a directory of its own (the test suite points it at one fresh
   directory per run, so a run shares its compiles and never touches the user's cache). Built
   native kernels stay in the cache root either way."""
-  value = os.environ.get("BITDELTA_COMPILE_CACHE", "1")
+  value = settings.get("BITDELTA_COMPILE_CACHE")
   if value == "0":
     return None
   return cache_root() if value == "1" else pathlib.Path(value)

@@ -1,6 +1,6 @@
 """The device thread: it alone touches JAX. Continuous batching, mixed variants in one batch.
 
-    engine = Engine(cfg, metrics, tokenizer)
+    engine = Engine(EngineConfig(base="ckpt"), metrics, tokenizer)   # `engine.config`
     ready = engine.start()                     # concurrent.futures.Future: model loaded, compiled
     engine.submit(Request(prompt, slot, params, model="name", emit=on_event))  # thread-safe
     await asyncio.wrap_future(engine.call(lambda gen: gen.load_variant(slot, delta)))
@@ -33,18 +33,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from bitdelta_jax.engine.bank_options import Banks
 from bitdelta_jax.engine.build import build_generator, enable_compile_cache
+from bitdelta_jax.engine.config import EngineConfig, Metrics
 from bitdelta_jax.engine.generator import per_request
 from bitdelta_jax.engine.multihost.runtime import WorkerLost
 from bitdelta_jax.engine.request import Event, Generation, Request
 from bitdelta_jax.engine.stops import check_stop, kept_tokens, num_kept
-
-if TYPE_CHECKING:  # the server's; the engine reads their fields only
-  from serving.config import ServerConfig
-  from serving.metrics import Metrics
 
 log = logging.getLogger("bitdelta_jax.engine.engine")
 
@@ -60,13 +56,16 @@ class _NoMetrics:
 
 
 class Engine:
-  """The device thread; see the module docstring. ``metrics``: the server's
-  (`serving.metrics.Metrics`), or None."""
+  """The device thread; see the module docstring. ``metrics``: what to record into (the
+  server's `serving.metrics.Metrics`), or None."""
 
   IDLE_PING_S = 5.0  # multi-process: an idle engine checks its workers this often
 
-  def __init__(self, cfg: ServerConfig, metrics: Metrics | None = None, tokenizer=None, *,
+  def __init__(self, cfg: EngineConfig, metrics: Metrics | None = None, tokenizer=None, *,
                banks: Banks = Banks(), model_factory: Callable | None = None):
+    if not isinstance(cfg, EngineConfig):
+      raise TypeError(f"Engine takes an EngineConfig, got {type(cfg).__name__} (a server's: "
+                      "ServerConfig.engine_config())")
     self.cfg, self.tokenizer = cfg, tokenizer
     self.metrics = metrics if metrics is not None else _NoMetrics()
     self.banks = banks  # the per-slot banks every variant the server may load needs

@@ -40,6 +40,8 @@ import pickle
 import platform
 import threading
 
+from pallas_kernels import settings
+
 log = logging.getLogger("bitdelta_jax.step_cache")
 
 _ROOTS = ("bitdelta_jax", "pallas_kernels")
@@ -79,9 +81,9 @@ def step_key(parts) -> str:
   import jaxlib
 
   devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
-  # BITDELTA_* switches are read when a step is traced (kernel choices, the quantized kernel's
-  # activation mode): a program traced under other values is another program
-  switches = sorted((k, v) for k, v in os.environ.items() if k.startswith("BITDELTA_"))
+  # settings read when a step is traced (kernel choices, the quantized kernel's activation
+  # mode): a program traced under other values is another program
+  switches = settings.traced_values()
   full = (code_fingerprint(), jax.__version__, jaxlib.__version__, jax.default_backend(),
           devices, os.environ.get("XLA_FLAGS", ""), switches, _machine(), parts)
   return hashlib.sha256(repr(full).encode()).hexdigest()

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import settings
 from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
@@ -141,7 +141,7 @@ def shapes_supported(x_shape, w_shape, bits_shape, scale_shape, group_k: int) ->
 
 def expand_rows_default() -> int:
   """``$BITDELTA_CPU_EXPAND_ROWS`` if set, else 0 (the kernel's own default)."""
-  return int(os.environ.get("BITDELTA_CPU_EXPAND_ROWS", "0"))
+  return settings.get("BITDELTA_CPU_EXPAND_ROWS")
 
 
 def fused_call(
@@ -247,8 +247,8 @@ def delta_matmul_cpu(x, w_base, bits, scale, slot_ids=None, *, group_k: int) -> 
     bank, scales = bits, scale
     slots = jnp.where(slot_ids == 0, -1, slot_ids).astype(jnp.int32)  # slot 0: base only
   f32 = x.dtype == w_base.dtype == jnp.float32
-  if f32 and x.shape[0] >= MERGED_MIN_ROWS and os.environ.get("BITDELTA_CPU_MERGED") != "0":
-    if x.shape[0] < EXPAND_MIN_ROWS or os.environ.get("BITDELTA_CPU_EXPAND") == "0":
+  if f32 and x.shape[0] >= MERGED_MIN_ROWS and settings.get("BITDELTA_CPU_MERGED"):
+    if x.shape[0] < EXPAND_MIN_ROWS or not settings.get("BITDELTA_CPU_EXPAND"):
       return merged_call(x, w_base, bank, scales, slots, group_k=group_k)
     return _one_slot_or_merged(x, w_base, bank, scales, slots, group_k=group_k)
   from pallas_kernels.small_matmul.cpu import dense_f32

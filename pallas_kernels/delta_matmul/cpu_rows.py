@@ -18,13 +18,13 @@ use like `cpu.py` (``g++ -O3 -march=native``, the shared pool, ``$BITDELTA_CPU_T
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import settings
 from pallas_kernels.delta_matmul.reference import with_reference_vjp
 from pallas_kernels.native.build import build as build_native
 
@@ -65,7 +65,7 @@ def unavailable_reason() -> str | None:
   every operand (`bitdelta_jax.sharding.ShardedDeltaMatmul` runs per-shard kernels instead)."""
   from pallas_kernels.platform import target_platform
 
-  if os.environ.get("BITDELTA_CPU_ROWS") == "0":
+  if not settings.get("BITDELTA_CPU_ROWS"):
     return "turned off by BITDELTA_CPU_ROWS=0"
   if target_platform() != "cpu":
     return f"the few-rows kernel runs on the host CPU; the target platform is {target_platform()!r}"

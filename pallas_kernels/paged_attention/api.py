@@ -28,10 +28,10 @@ f32 over the whole pool.
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels import settings
 
 from ..platform import hopper_reason, lowering_platform, target_platform
 from . import cpu, mosaic_gpu, mosaic_gpu_prefill, reference
@@ -54,7 +54,7 @@ def prefill_unavailable_reason(q, k_pool) -> str | None:
   """None if the Mosaic GPU prefill kernel takes these shapes, else why not (the prompt chunks
   then take the reference's `packed_prefill`). ``BITDELTA_PAGED_PREFILL_GPU=0`` turns the
   kernel off (read when a step is traced: the GPU check times the reference path with it)."""
-  if os.environ.get("BITDELTA_PAGED_PREFILL_GPU", "1") == "0":
+  if not settings.get("BITDELTA_PAGED_PREFILL_GPU"):
     return "BITDELTA_PAGED_PREFILL_GPU=0"
   _, h, d = q.shape
   _, _, ps, kv, _ = k_pool.shape

@@ -23,13 +23,13 @@ reason.
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import settings
 from pallas_kernels.native.build import build as build_native
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
@@ -91,7 +91,7 @@ def build_reason() -> str | None:
 
 def enabled() -> bool:
   """Whether ``implementation=None`` may pick the kernel (``BITDELTA_PAGED_ATTENTION_CPU``)."""
-  return os.environ.get("BITDELTA_PAGED_ATTENTION_CPU", "1") != "0"
+  return settings.get("BITDELTA_PAGED_ATTENTION_CPU")
 
 
 def decode_lanes(

@@ -40,13 +40,13 @@ a program is traced).
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import settings
 from pallas_kernels.bits import group_k_for
 from pallas_kernels.native.build import build as build_native
 
@@ -67,7 +67,7 @@ ACTIVATIONS = ("f32", "int8")
 # this kernel with each mode in bench/results/fidelity_quant.md. f32 on request
 # (``BITDELTA_QUANT_ACTIVATIONS=f32``).
 FASTEST_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
-DEFAULT_ACTIVATIONS = "int8"
+DEFAULT_ACTIVATIONS = settings.SETTINGS["BITDELTA_QUANT_ACTIVATIONS"].default  # int8
 _FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
@@ -101,7 +101,7 @@ def unavailable_reason() -> str | None:
   """None if the kernel can run in this process (one CPU device, built), else why not."""
   from pallas_kernels.platform import target_platform
 
-  if os.environ.get("BITDELTA_QUANT_ROWS") == "0":
+  if not settings.get("BITDELTA_QUANT_ROWS"):
     return "turned off by BITDELTA_QUANT_ROWS=0"
   if target_platform() != "cpu":
     return f"the quantized rows kernel runs on the host CPU; the target platform is {target_platform()!r}"
@@ -133,7 +133,7 @@ def activations_for(fmt: str, activations: str | None = None) -> str:
   a call takes
   the same mode, so a token's numbers do not depend on whether it came in a prompt chunk or a
   decode step."""
-  mode = activations or os.environ.get("BITDELTA_QUANT_ACTIVATIONS") or DEFAULT_ACTIVATIONS
+  mode = activations or settings.get("BITDELTA_QUANT_ACTIVATIONS")
   if mode == "auto":
     mode = FASTEST_ACTIVATIONS[fmt]
   if mode not in ACTIVATIONS:

@@ -17,11 +17,10 @@ kernel's few-rows path first (`pallas_kernels.delta_matmul.api`), which calls th
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import settings
 from pallas_kernels.platform import target_platform
 
 from . import cpu, cpu_bf16
@@ -47,7 +46,7 @@ def unavailable_reason(name: str, rows: int, x_dtype, w_dtype) -> str | None:
     return None
   x_dtype, w_dtype = jnp.dtype(x_dtype), jnp.dtype(w_dtype)
   if name == "cpu":
-    if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0":
+    if not settings.get("BITDELTA_SMALL_MATMUL"):
       return "turned off by BITDELTA_SMALL_MATMUL=0"
     if not cpu.MIN_ROWS <= rows <= cpu.MAX_ROWS:
       return f"{rows} rows: the f32 small-M kernel takes {cpu.MIN_ROWS} to {cpu.MAX_ROWS}"

@@ -25,12 +25,12 @@ the pool; ``BITDELTA_SMALL_MATMUL=0`` turns them (and the bf16 kernels) off,
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import settings
 from pallas_kernels.native.build import build as build_native
 
 MIN_ROWS, MAX_ROWS = 2, 16
@@ -77,7 +77,7 @@ def _load() -> str | None:
 
 def usable(m: int, *dtypes) -> bool:
   """Whether the kernel path is taken for M rows of these dtypes here."""
-  if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0" or not MIN_ROWS <= m <= MAX_ROWS:
+  if not settings.get("BITDELTA_SMALL_MATMUL") or not MIN_ROWS <= m <= MAX_ROWS:
     return False
   if any(jnp.dtype(d) != jnp.float32 for d in dtypes):
     return False
@@ -88,9 +88,9 @@ def usable(m: int, *dtypes) -> bool:
 
 def usable_nt(m: int, x_dtype, e_dtype) -> bool:
   """Whether the NT kernel is taken for M f32 rows and an f32 E here (``BITDELTA_CPU_HEAD``)."""
-  if os.environ.get("BITDELTA_CPU_HEAD", "1") == "0" or not NT_MIN_ROWS <= m <= NT_MAX_ROWS:
+  if not settings.get("BITDELTA_CPU_HEAD") or not NT_MIN_ROWS <= m <= NT_MAX_ROWS:
     return False
-  if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0":
+  if not settings.get("BITDELTA_SMALL_MATMUL"):
     return False
   if jnp.dtype(x_dtype) != jnp.float32 or jnp.dtype(e_dtype) != jnp.float32:
     return False

@@ -23,12 +23,12 @@ one thread pool (``pallas_kernels/native/pool.h``); ``$BITDELTA_CPU_THREADS`` ca
 from __future__ import annotations
 
 import functools
-import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import settings
 from pallas_kernels.native.build import build as build_native
 
 # Rows up to which the kernels run (bench/results/cpu_bf16.md, ratios to XLA inside programs
@@ -93,7 +93,7 @@ def build_target(arch: tuple[str, ...], target: str) -> int:
 
 
 def _usable(m: int, limit: int, x_dtype, w_dtype) -> bool:
-  if os.environ.get("BITDELTA_SMALL_MATMUL", "1") == "0" or not 1 <= m <= limit:
+  if not settings.get("BITDELTA_SMALL_MATMUL") or not 1 <= m <= limit:
     return False
   if jnp.dtype(x_dtype) != jnp.bfloat16 or jnp.dtype(w_dtype) != jnp.bfloat16:
     return False  # f32 rows with bf16 weights stay with XLA: no silent rounding of x

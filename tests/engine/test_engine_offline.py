@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 from model_fixtures import hf_greedy, make_tokenizer_dir
 
-from bitdelta_jax.engine import Engine, SamplingParams
+from bitdelta_jax.engine import Engine, EngineConfig, SamplingParams
 from bitdelta_jax.models.tokenizer import Tokenizer
-from serving.config import ServerConfig
 
 RNG = np.random.RandomState(5)
 PROMPTS = [list(RNG.randint(3, 256, n)) for n in (4, 9, 13)]
@@ -20,7 +19,7 @@ PROMPTS = [list(RNG.randint(3, 256, n)) for n in (4, 9, 13)]
 def engine(hf_models):
   hf, path = hf_models("llama")
   tok = Tokenizer.from_dir(make_tokenizer_dir(path / "tok"))
-  eng = Engine(ServerConfig(base=str(path), max_batch=4, max_seq_len=48, page_size=4,
+  eng = Engine(EngineConfig(base=str(path), max_batch=4, max_seq_len=48, page_size=4,
                             prefill_chunk=8, warmup=False), tokenizer=tok)
   eng.start().result(300)
   yield hf, tok, eng

@@ -59,7 +59,7 @@ with open("/proc/self/clear_refs", "w") as f:  # VmHWM from here on
 base, dtype = sys.argv[1], sys.argv[2]
 cfg = with_gguf_base(ServerConfig(base=base, dtype=dtype, device_slots=2, max_batch=4,
                                   max_seq_len=1024, kv_cache_mb=64, prefill_chunk=540))
-gen = build_generator(cfg, Banks())
+gen = build_generator(cfg.engine_config(), Banks())
 r = gen.runners[0]
 # the warm-up's path (compile, then run once on padding) for the smallest and the largest
 # program (544 rows: a GGUF layer took the GEMM over its dequantized blocks there until the

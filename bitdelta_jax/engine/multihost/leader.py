@@ -251,7 +251,8 @@ def lead(cfg, build: dict, *, accept_timeout_s: float = 120.0):
 
 
 def run_follower(cfg) -> int:
-  """The loop of a process other than 0: receive plans, make their calls; an exit code.
+  """The loop of a process other than 0 (``cfg``: its `EngineConfig`): receive plans, make
+  their calls; an exit code.
 
   Call after `bitdelta_jax.engine.multihost.runtime.initialize`. Returns 0 on ``stop``, 1 when the channel
   to process 0 fails (process 0 died: there is nobody left to serve).

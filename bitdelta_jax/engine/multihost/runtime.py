@@ -191,8 +191,10 @@ def barrier(what: str, *, last: bool = False) -> None:
 def fault_delay(stage: str) -> None:
   """Sleeps ``$BITDELTA_FAULT_START_DELAY_S`` seconds when ``$BITDELTA_FAULT_STAGE`` is
   ``stage``: how the tests make one process a straggler."""
-  if os.environ.get("BITDELTA_FAULT_STAGE") == stage:
-    time.sleep(float(os.environ.get("BITDELTA_FAULT_START_DELAY_S", "0")))
+  from pallas_kernels import settings
+
+  if settings.get("BITDELTA_FAULT_STAGE") == stage:
+    time.sleep(settings.get("BITDELTA_FAULT_START_DELAY_S"))
 
 
 def broadcast_json(obj=None, *, max_bytes: int = 1 << 16):
