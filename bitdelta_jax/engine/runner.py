@@ -110,19 +110,9 @@ def _register_native_kernels() -> None:
   made its programs fail to load at every warm start)."""
   if jax.default_backend() != "cpu":
     return
-  from pallas_kernels.delta_matmul import cpu as delta_cpu
-  from pallas_kernels.delta_matmul import cpu_rows
-  from pallas_kernels.paged_attention import cpu as attention_cpu
-  from pallas_kernels.quant_matmul import cpu_rows as quant_rows
-  from pallas_kernels.small_matmul import cpu as small_cpu
-  from pallas_kernels.small_matmul import cpu_bf16 as small_bf16
+  from pallas_kernels.native import registry
 
-  delta_cpu.isa()  # the delta term, the merged product and the one-slot expansion
-  cpu_rows._load()  # the few-rows kernel (decode)
-  quant_rows._load()  # a GGUF base's products over its blocks
-  small_cpu._load()
-  small_bf16._load()
-  attention_cpu.build_reason()  # the decode attention, the in-place K/V write and the gather
+  registry.register_all()
 
 
 def scan_layers_default() -> bool:

@@ -40,7 +40,6 @@ enough, ``$BITDELTA_CPU_THREADS`` caps it) and cached under ``~/.cache/bitdelta_
 from __future__ import annotations
 
 import ctypes
-import functools
 import pathlib
 
 import jax
@@ -48,22 +47,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import settings
-from pallas_kernels.native.build import build as build_native
+from pallas_kernels.native import registry
+from pallas_kernels.native.registry import NativeKernel
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_delta_matmul"
-
-
-def _build(arch: tuple[str, ...] | None = None) -> tuple[ctypes.CDLL | None, str | None]:
-  return build_native(
-    _SOURCE,
-    "delta_term",
-    include_dirs=(jax.ffi.include_dir(),),
-    key_extra=jax.__version__.encode(),
-    arch=arch,
-  )
-
-
 _MERGED_TARGET = "bitdelta_delta_matmul_merged"
 _EXPAND_SOURCE = pathlib.Path(__file__).with_name("cpu_expand_kernel.cc")
 _EXPAND_TARGET = "bitdelta_delta_expand"
@@ -76,24 +64,23 @@ MERGED_MIN_ROWS = 32
 EXPAND_MIN_ROWS = 128
 
 
-@functools.cache
+KERNELS = (
+  NativeKernel("delta_term", _SOURCE, ((_TARGET, "BitdeltaDeltaMatmul"),
+                                       (_MERGED_TARGET, "BitdeltaDeltaMatmulMerged")),
+               "the CPU delta kernel"),
+  NativeKernel("delta_expand", _EXPAND_SOURCE, ((_EXPAND_TARGET, "BitdeltaDeltaExpand"),),
+               "the CPU expand kernel"),
+)
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
-  """Builds (once per machine and source version) and registers the kernel."""
-  lib, reason = _build()
+  """Builds (once per machine and source version) and registers the kernels: the delta
+  term's library, or why it (or the expansion) cannot be built."""
+  lib, reason = registry.load(KERNELS[0])
   if lib is None:
-    return None, f"the CPU delta kernel cannot be built: {reason}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
-  jax.ffi.register_ffi_target(
-    _MERGED_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
-  )
-  expand, reason = build_native(_EXPAND_SOURCE, "delta_expand",
-                                include_dirs=(jax.ffi.include_dir(),),
-                                key_extra=jax.__version__.encode())
-  if expand is None:
-    return None, f"the CPU expand kernel cannot be built: {reason}"
-  jax.ffi.register_ffi_target(
-    _EXPAND_TARGET, jax.ffi.pycapsule(expand.BitdeltaDeltaExpand), platform="cpu")
-  return lib, None
+    return None, reason
+  expand, reason = registry.load(KERNELS[1])
+  return (lib, None) if expand is not None else (None, reason)
 
 
 def isa() -> int | None:
@@ -108,14 +95,7 @@ def build_target(arch: tuple[str, ...], target: str) -> int:
   FFI target ``target`` (pass it to `fused_call`; its merged entry as ``target + "_merged"``
   for `merged_call`); returns the tile it runs. For tests of the paths this machine's native
   build does not take."""
-  lib, reason = _build(arch)
-  if lib is None:
-    raise RuntimeError(f"the CPU delta kernel cannot be built with {arch}: {reason}")
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaMatmul), platform="cpu")
-  jax.ffi.register_ffi_target(
-    target + "_merged", jax.ffi.pycapsule(lib.BitdeltaDeltaMatmulMerged), platform="cpu"
-  )
-  return int(lib.BitdeltaDeltaMatmulIsa())
+  return int(registry.build_variant(KERNELS[0], arch, target).BitdeltaDeltaMatmulIsa())
 
 
 def unavailable_reason() -> str | None:

@@ -26,36 +26,28 @@ import numpy as np
 
 from pallas_kernels import settings
 from pallas_kernels.delta_matmul.reference import with_reference_vjp
-from pallas_kernels.native.build import build as build_native
+from pallas_kernels.native import registry
+from pallas_kernels.native.registry import NativeKernel
 
 MAX_ROWS = 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_delta_rows"
 
 
-def _build(arch: tuple[str, ...] | None = None):
-  return build_native(_SOURCE, "delta_rows", include_dirs=(jax.ffi.include_dir(),),
-                      key_extra=jax.__version__.encode(), arch=arch)
+KERNELS = (NativeKernel("delta_rows", _SOURCE, ((_TARGET, "BitdeltaDeltaRows"),),
+                        "the CPU rows kernel"),)
 
 
-@functools.cache
 def _load() -> str | None:
   """Builds and registers the kernel once; None, or why it cannot run here."""
-  lib, reason = _build()
-  if lib is None:
-    return f"the CPU rows kernel cannot be built: {reason}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaDeltaRows), platform="cpu")
-  return None
+  return registry.load(KERNELS[0])[1]
 
 
 def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernel with target flags ``arch`` (``()``: portable vectors, no AVX-512) and
   registers it as ``target`` (pass it to `rows_call`): for tests of the paths this machine's
   native build does not take."""
-  lib, reason = _build(arch)
-  if lib is None:
-    raise RuntimeError(f"the CPU rows kernel cannot be built with {arch}: {reason}")
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaDeltaRows), platform="cpu")
+  registry.build_variant(KERNELS[0], arch, target)
 
 
 def unavailable_reason() -> str | None:

@@ -22,7 +22,6 @@ reason.
 
 from __future__ import annotations
 
-import functools
 import pathlib
 
 import jax
@@ -30,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import settings
-from pallas_kernels.native.build import build as build_native
+from pallas_kernels.native import registry
+from pallas_kernels.native.registry import NativeKernel
 
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_paged_decode"
@@ -39,38 +39,19 @@ _GATHER_TARGET = "bitdelta_paged_gather"
 _BIG = 1 << 30  # "no window", as the reference
 
 
-def _build(arch: tuple[str, ...] | None = None):
-  return build_native(
-    _SOURCE,
-    "paged_attention",
-    include_dirs=(jax.ffi.include_dir(),),
-    key_extra=jax.__version__.encode(),
-    arch=arch,
-  )
+KERNELS = (NativeKernel("paged_attention", _SOURCE, (
+  (_TARGET, "BitdeltaPagedDecode"), (_WRITE_TARGET, "BitdeltaPagedWrite"),
+  (_GATHER_TARGET, "BitdeltaPagedGather")), "the CPU paged-attention kernel"),)
 
 
-@functools.cache
 def _load() -> str | None:
-  lib, reason = _build()
-  if lib is None:
-    return f"the CPU paged-attention kernel cannot be built: {reason}"
-  jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedDecode), platform="cpu")
-  jax.ffi.register_ffi_target(
-    _WRITE_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedWrite), platform="cpu"
-  )
-  jax.ffi.register_ffi_target(
-    _GATHER_TARGET, jax.ffi.pycapsule(lib.BitdeltaPagedGather), platform="cpu"
-  )
-  return None
+  return registry.load(KERNELS[0])[1]
 
 
 def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernel with target flags ``arch`` (``()``: the portable build, no AVX-512) and
-  registers it as FFI target ``target`` (pass it to `decode_lanes`). For tests."""
-  lib, reason = _build(arch)
-  if lib is None:
-    raise RuntimeError(f"the CPU paged-attention kernel cannot be built with {arch}: {reason}")
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaPagedDecode), platform="cpu")
+  registers its decode entry as FFI target ``target`` (pass it to `decode_lanes`). For tests."""
+  registry.build_variant(KERNELS[0], arch, target)
 
 
 def shapes_supported(*, num_heads: int, num_kv_heads: int, dtype, q_dtype) -> str | None:

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import settings
-from pallas_kernels.native.build import build as build_native
+from pallas_kernels.native import registry
+from pallas_kernels.native.registry import NativeKernel
 
 MIN_ROWS, MAX_ROWS = 2, 16
 NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
@@ -39,40 +40,25 @@ _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
 
 
-def _build(arch: tuple[str, ...] | None = None):
-  return build_native(_SOURCE, "small_matmul", include_dirs=(jax.ffi.include_dir(),),
-                      key_extra=jax.__version__.encode(), arch=arch)
-
-
-def _register(lib, target: str) -> None:
-  jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(lib.BitdeltaSmallMatmul), platform="cpu")
-  jax.ffi.register_ffi_target(
-    target + "_nt", jax.ffi.pycapsule(lib.BitdeltaSmallMatmulNt), platform="cpu"
-  )
+KERNELS = (NativeKernel("small_matmul", _SOURCE, (
+  (_TARGET, "BitdeltaSmallMatmul"), (_TARGET + "_nt", "BitdeltaSmallMatmulNt")),
+  "the CPU small-matmul kernel"),)
 
 
 def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernels with target flags ``arch`` (``()``: portable code, no AVX-512) and
   registers them as ``target`` and ``target + "_nt"``: for tests of the paths this machine's
   native build does not take."""
-  lib, reason = _build(arch)
-  if lib is None:
-    raise RuntimeError(f"the CPU small-matmul kernels cannot be built with {arch}: {reason}")
-  _register(lib, target)
+  registry.build_variant(KERNELS[0], arch, target)
 
 
-@functools.cache
 def _load() -> str | None:
-  """Builds and registers the f32 kernels (and the bf16 kernels, if they build: a program
-  loaded from the step cache calls every target without tracing); None or why not."""
-  lib, reason = _build()
-  if lib is None:
-    return f"the CPU small-matmul kernel cannot be built: {reason}"
-  _register(lib, _TARGET)
+  """Builds and registers the f32 kernels (and the bf16 kernels, if they build); None or why
+  not."""
   from . import cpu_bf16
 
   cpu_bf16._load()
-  return None
+  return registry.load(KERNELS[0])[1]
 
 
 def usable(m: int, *dtypes) -> bool:

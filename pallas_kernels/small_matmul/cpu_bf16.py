@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import settings
-from pallas_kernels.native.build import build as build_native
+from pallas_kernels.native import registry
+from pallas_kernels.native.registry import NativeKernel
 
 # Rows up to which the kernels run (bench/results/cpu_bf16.md, ratios to XLA inside programs
 # over seven runs of the bench on this shared machine): the NN kernel beat XLA's dot with f32
@@ -43,42 +44,20 @@ _SOURCE = pathlib.Path(__file__).with_name("cpu_bf16_kernel.cc")
 _TARGET = "bitdelta_small_matmul_bf16"  # NN; the NT entry is _TARGET + "_nt"
 
 
-def _build(arch: tuple[str, ...] | None = None):
-  return build_native(
-    _SOURCE,
-    "small_matmul_bf16",
-    include_dirs=(jax.ffi.include_dir(),),
-    key_extra=jax.__version__.encode(),
-    arch=arch,
-  )
-
-
-def _register(lib, target: str) -> int:
-  jax.ffi.register_ffi_target(
-    target, jax.ffi.pycapsule(lib.BitdeltaSmallMatmulBf16), platform="cpu"
-  )
-  jax.ffi.register_ffi_target(
-    target + "_nt", jax.ffi.pycapsule(lib.BitdeltaSmallMatmulBf16Nt), platform="cpu"
-  )
-  return int(lib.BitdeltaSmallMatmulBf16Isa())
-
-
-@functools.cache
-def _native() -> tuple[int | None, str | None]:
-  lib, reason = _build()
-  if lib is None:
-    return None, f"the CPU bf16 small-matmul kernels cannot be built: {reason}"
-  return _register(lib, _TARGET), None
+KERNELS = (NativeKernel("small_matmul_bf16", _SOURCE, (
+  (_TARGET, "BitdeltaSmallMatmulBf16"), (_TARGET + "_nt", "BitdeltaSmallMatmulBf16Nt")),
+  "the CPU bf16 small-matmul kernels"),)
 
 
 def _load() -> str | None:
   """Builds (once per machine and source version) and registers the kernels; None or why not."""
-  return _native()[1]
+  return registry.load(KERNELS[0])[1]
 
 
 def isa() -> int | None:
   """The path the native build runs here: 1 ``vdpbf16ps``, 0 widen + FMA; None if unbuilt."""
-  return _native()[0]
+  lib = registry.load(KERNELS[0])[0]
+  return None if lib is None else int(lib.BitdeltaSmallMatmulBf16Isa())
 
 
 def build_target(arch: tuple[str, ...], target: str) -> int:
@@ -86,10 +65,7 @@ def build_target(arch: tuple[str, ...], target: str) -> int:
   the widening path in AVX-512 code; ``()``: portable) and registers them as FFI targets
   ``target`` and ``target + "_nt"`` (pass ``target`` to the functions below); returns the
   `isa` that build runs. For tests of the paths this machine's native build does not take."""
-  lib, reason = _build(arch)
-  if lib is None:
-    raise RuntimeError(f"the CPU bf16 kernels cannot be built with {arch}: {reason}")
-  return _register(lib, target)
+  return int(registry.build_variant(KERNELS[0], arch, target).BitdeltaSmallMatmulBf16Isa())
 
 
 def _usable(m: int, limit: int, x_dtype, w_dtype) -> bool:

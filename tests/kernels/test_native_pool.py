@@ -1,6 +1,6 @@
 """The CPU kernels' thread pool (`pallas_kernels/native/pool.h`): one per process, shared by
-every kernel library `pallas_kernels.native.build` builds (small_matmul f32 and bf16, the delta
-kernel, paged attention), and builds keyed on the shared header."""
+every kernel library `pallas_kernels.native.registry` declares, and builds keyed on the shared
+header."""
 
 from __future__ import annotations
 
@@ -12,17 +12,14 @@ from pallas_kernels.native import build as native
 
 
 def _libs():
-  from pallas_kernels.delta_matmul import cpu as delta_cpu
-  from pallas_kernels.paged_attention import cpu as paged_cpu
-  from pallas_kernels.small_matmul import cpu, cpu_bf16
+  from pallas_kernels.native import registry
 
   out = {}
-  for name, build in (("small_matmul", cpu._build), ("small_matmul_bf16", cpu_bf16._build),
-                      ("delta_matmul", delta_cpu._build), ("paged_attention", paged_cpu._build)):
-    lib, reason = build()
+  for k in registry.kernels():  # every library the registry builds
+    lib, reason = registry.load(k)
     if lib is None:
-      pytest.skip(f"{name}: {reason}")
-    out[name] = lib
+      pytest.skip(f"{k.name}: {reason}")
+    out[k.name] = lib
   return out
 
 
