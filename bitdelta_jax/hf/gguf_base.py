@@ -42,8 +42,10 @@ _HASH_CHUNK = 1 << 24  # bytes hashed at once
 def _format_names() -> dict[Any, str]:
   import gguf
 
+  from pallas_kernels.quant_matmul.formats import FORMATS
+
   T = gguf.GGMLQuantizationType
-  return {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q4_1: "q4_1", T.F32: "f32", T.F16: "f16",
+  return {**{T(f.ggml_type): f.name for f in FORMATS.values()}, T.F32: "f32", T.F16: "f16",
           T.BF16: "bf16"}
 
 

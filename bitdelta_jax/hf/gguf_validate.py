@@ -154,15 +154,14 @@ def check_file(path: str | os.PathLike) -> None:
       end_prev, prev = start + nbytes, name
 
 
-_HEADER = {"q8_0": (2, 34, False), "q4_0": (2, 18, False), "q4_1": (4, 20, True)}
-
-
 def check_values(path, name: str, fmt: str, raw: np.ndarray) -> None:
   """Raises `GGUFImportError` if tensor ``name``'s stored bytes ``raw`` (format ``fmt``) hold a
   non-finite block scale or minimum (Q8_0 / Q4_0 / Q4_1) or value (F32 / F16 / BF16)."""
   flat = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
-  if fmt in _HEADER:
-    _, size, has_m = _HEADER[fmt]
+  from pallas_kernels.quant_matmul.formats import FORMATS
+
+  if fmt in FORMATS:
+    size, has_m = FORMATS[fmt].block_bytes, FORMATS[fmt].has_min
     b = flat.reshape(-1, size)
     scales = [("scale", np.ascontiguousarray(b[:, 0:2]).view(np.float16))]
     if has_m:

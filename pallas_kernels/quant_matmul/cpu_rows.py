@@ -52,6 +52,7 @@ from pallas_kernels.native import registry
 from pallas_kernels.native.registry import NativeKernel
 
 from .blocks import BLOCK, FORMATS, QuantizedKernel
+from .formats import FORMATS as TABLE
 from .reference import with_reference_vjp
 
 ACTIVATIONS = ("f32", "int8")
@@ -67,9 +68,8 @@ ACTIVATIONS = ("f32", "int8")
 # (bench/results/quant_kernel_logits.md), and the real variants' task points served through
 # this kernel with each mode in bench/results/fidelity_quant.md. f32 on request
 # (``BITDELTA_QUANT_ACTIVATIONS=f32``).
-FASTEST_ACTIVATIONS = {"q8_0": "f32", "q4_0": "int8", "q4_1": "int8"}
+FASTEST_ACTIVATIONS = {f.name: f.fastest_activations for f in TABLE.values()}
 DEFAULT_ACTIVATIONS = settings.SETTINGS["BITDELTA_QUANT_ACTIVATIONS"].default  # int8
-_FORMAT_ID = {"q8_0": 0, "q4_0": 1, "q4_1": 2}
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
 
@@ -112,8 +112,9 @@ def shapes_supported(rows: int, qk: QuantizedKernel) -> str | None:
     return f"K={k} is not a multiple of the {BLOCK}-weight block"
   if rows < 1:
     return f"{rows} rows: the quantized rows kernel takes 1 or more"
-  want = jnp.int8 if qk.format == "q8_0" else jnp.uint8
-  if qk.qs.dtype != want or qk.qs.shape != (k // BLOCK, 32 if qk.format == "q8_0" else 16, n):
+  f = TABLE[qk.format]
+  want = jnp.uint8 if f.nibbles else jnp.int8
+  if qk.qs.dtype != want or qk.qs.shape != (k // BLOCK, f.qs_rows, n):
     return f"qs {qk.qs.dtype}{tuple(qk.qs.shape)} is not {qk.format}'s column-block layout"
   return None
 
@@ -176,6 +177,6 @@ def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target, act):
     slot_ids = slot_ids.astype(jnp.int32)
     delta = 1
   return call(x.astype(jnp.float32), qk.qs, d, mins, bits.astype(jnp.uint8), scale, slot_ids,
-              fmt=np.int64(_FORMAT_ID[qk.format]), group_k=np.int64(group_k),
+              fmt=np.int64(TABLE[qk.format].kernel_id), group_k=np.int64(group_k),
               first_slot=np.int64(first), delta=np.int64(delta),
               act=np.int64(ACTIVATIONS.index(act)))

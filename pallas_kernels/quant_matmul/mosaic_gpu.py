@@ -43,6 +43,7 @@ from pallas_kernels.delta_matmul import mosaic_gpu as dmg
 from pallas_kernels.delta_matmul.config import _MOSAIC_SMEM_BUDGET, MosaicConfig
 
 from .blocks import BLOCK, FORMATS, QuantizedKernel
+from .formats import block_format
 
 plgpu = dmg.plgpu
 CUSTOM_CALL_TARGET = dmg.CUSTOM_CALL_TARGET
@@ -69,9 +70,9 @@ def shapes_supported(x_shape, x_dtype, qk: QuantizedKernel, bits_shape=None,
   if jnp.dtype(x_dtype) not in [jnp.dtype(d) for d in _X_DTYPES]:
     return (f"x is {jnp.dtype(x_dtype)}: the Mosaic GPU quantized kernel takes bfloat16 or "
             "float16 activations (its wgmma operands are 16-bit; f32 x runs the reference)")
-  rows = 32 if qk.format == "q8_0" else 16
-  want = jnp.int8 if qk.format == "q8_0" else jnp.uint8
-  if k % BLOCK or qk.qs.dtype != want or tuple(qk.qs.shape) != (k // BLOCK, rows, n):
+  f = block_format(qk.format)
+  want = jnp.uint8 if f.nibbles else jnp.int8
+  if k % BLOCK or qk.qs.dtype != want or tuple(qk.qs.shape) != (k // BLOCK, f.qs_rows, n):
     return f"qs {qk.qs.dtype}{tuple(qk.qs.shape)} is not {qk.format}'s column-block layout"
   if bits_shape is not None:
     return dmg.shapes_supported(x_shape, (k, n), bits_shape, group_k, x_dtype)
@@ -87,18 +88,22 @@ class _Blocks:
   shape: tuple[int, int]
 
   @property
+  def fmt(self):
+    return block_format(self.format)
+
+  @property
   def nibbles(self) -> bool:
-    return self.format != "q8_0"
+    return self.fmt.nibbles
 
   @property
   def num_refs(self) -> int:
-    return 3 if self.format == "q4_1" else 2
+    return 1 + self.fmt.fields  # qs, d (and m)
 
   def operands(self, k_pad: int, n_pad: int) -> tuple:
     """qs as ``[K, N]`` int8 (Q8_0) or ``[K/2, N]`` bytes (Q4), d (m) ``[K/32, N]`` f16; zero
     blocks pad K to the kernel's steps and N to its column tiles."""
     k, n = self.shape
-    rows = 16 if self.nibbles else 32
+    rows = self.fmt.qs_rows
     qs = self.qk.qs.reshape(k // BLOCK * rows, n)
     out = [dmg._pad_to(qs, (k_pad // BLOCK * rows, n_pad))]
     for f in (self.qk.d, self.qk.m)[: self.num_refs - 1]:
@@ -116,7 +121,7 @@ class _Blocks:
       d_s=plgpu.SMEM((st, kt // BLOCK, bn), jnp.float16),
       wq_s=plgpu.SMEM((kt, bn), ctx.cdt, transforms=dmg._swizzled(bn, 2)),
     )
-    if self.format == "q4_1":
+    if self.fmt.has_min:
       bufs["m_s"] = plgpu.SMEM((st, kt // BLOCK, bn), jnp.float16)
     return bufs
 
@@ -160,10 +165,10 @@ class _Blocks:
       if self.nibbles:  # rows 16..31 of a block: the high nibble
         q = lax.shift_right_logical(q, (row & 16) >> 2) & 15
       v = q.astype(jnp.float32)
-      if self.format == "q4_0":
-        v = v - 8.0
+      if self.fmt.offset:  # q4_0's signed nibbles
+        v = v - float(self.fmt.offset)
       w = v * per_row("d_s", c)
-      if self.format == "q4_1":
+      if self.fmt.has_min:
         w = w + per_row("m_s", c)
       w_s[r, :] = w.astype(ctx.cdt)
     plgpu.commit_smem()  # the generic-proxy stores, visible to wgmma
@@ -174,7 +179,7 @@ def smem_bytes(cfg: MosaicConfig, group_k: int, fmt: str, mode: str) -> int:
   """Shared memory of the kernel's largest phase (mode "plain", "single" or "bank")."""
   kt, bm, bn, st = cfg.k_step(group_k), cfg.block_m, cfg.block_n, cfg.num_stages
   x_tile, byte_tile, signs = bm * kt * 2, kt * bn, kt * bn * 2
-  fields = (kt // BLOCK) * bn * 2 * (2 if fmt == "q4_1" else 1)
+  fields = (kt // BLOCK) * bn * 2 * block_format(fmt).fields
   base = st * (x_tile + byte_tile + fields) + kt * bn * 2
   if mode == "single":
     base += st * byte_tile + signs
