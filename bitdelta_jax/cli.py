@@ -258,10 +258,11 @@ def _extra_commands():
   from bitdelta_jax.kmerge_cli import add_kmerge_parser
   from bitdelta_jax.merge.cli import add_merge_parser
   from bitdelta_jax.zoo.cli import add_zoo_parsers
+  from serving.bench_serve import add_bench_parser
   from serving.cli import add_demo_parser, add_serve_parsers
 
   return [add_merge_parser, add_kmerge_parser, add_distill_parser, add_zoo_parsers,
-          add_serve_parsers, add_demo_parser]
+          add_serve_parsers, add_demo_parser, add_bench_parser]
 
 
 class _QuietJaxBackendWarnings(logging.Filter):

@@ -551,6 +551,38 @@ def metric(text: str, name: str, **labels) -> float | None:
   return None
 
 
+def test_bench_serve_counts_what_the_server_generated(server, tmp_path, capsys):
+  """`bitdelta bench serve` against this server: its token counts are the server's own
+  (/metrics), every request is timed, and a JSON report is written."""
+  from bitdelta_jax.cli import main
+
+  def generated():
+    return metric(get(server, "/metrics").text, "bitdelta_generated_tokens_total",
+                  model="v2") or 0.0
+
+  before = generated()
+  out = tmp_path / "bench.json"
+  code = main(["bench", "serve", "--url", server.url, "--model", "v2", "--concurrency", "1,3",
+               "--requests", "4", "--prompt-words", "6", "--output-tokens", "5", "--api-key",
+               KEY, "--seed", "7", "--out", str(out)])
+  assert code == 0, capsys.readouterr().err
+  levels = json.loads(out.read_text())["levels"]
+  assert [(r["concurrency"], r["requests"], r["ok"], r["errors"]) for r in levels] == [
+    (1, 4, 4, 0), (3, 4, 4, 0)]
+  assert all(r["output_tokens"] == 4 * 5 for r in levels)  # EOS ignored: 5 tokens each
+  assert generated() - before == 2 * 4 * 5
+  for r in levels:
+    assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and 0 < r["itl_ms_p50"] <= r["itl_ms_p99"]
+    assert r["output_tok_s"] > 0 and r["prompt_tokens_mean"] > 6
+  assert "| 3 | 4 (4) |" in capsys.readouterr().out
+  assert main(["bench", "serve", "--url", server.url, "--model", "v2", "--concurrency",
+               "0"]) == 2
+  # a wrong key: every request fails, counted, exit 1
+  assert main(["bench", "serve", "--url", server.url, "--model", "v2", "--concurrency", "1",
+               "--requests", "2", "--output-tokens", "2", "--prompt-words", "2"]) == 1
+  assert "HTTP 401" in capsys.readouterr().err
+
+
 def test_metrics_exposition(server):
   complete(server, "v1", "hello", max_tokens=4)
   post(server, "/v1/completions", {"model": "v1", "prompt": "hi", "max_tokens": 4,
