@@ -231,8 +231,8 @@ def swap_baseline(base: pathlib.Path, variants: dict, models: list[str], prompts
 # -- memory -----------------------------------------------------------------------------------
 def memory(base: pathlib.Path, variants: dict, server, n: int = 14) -> dict:
   from bitdelta_jax.delta.store import read_manifest
+  from bitdelta_jax.delta.variant import manifest_bytes
   from bitdelta_jax.models.slots import slot_bank_bytes
-  from serving.registry import manifest_bytes
 
   base_b = sum(p.stat().st_size for p in base.glob("*.safetensors"))
   deltas = [manifest_bytes(read_manifest(d)) for d in variants.values()]

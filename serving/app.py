@@ -25,7 +25,6 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import hmac
-import json
 import logging
 import os
 import socket
@@ -36,7 +35,8 @@ from pathlib import Path
 from aiohttp import web
 
 from bitdelta_jax.delta.entries import DeltaMismatchError
-from bitdelta_jax.delta.store import DeltaStoreError, check_base, load_delta
+from bitdelta_jax.delta.store import DeltaStoreError, check_base
+from bitdelta_jax.delta.variant import open_variant
 from bitdelta_jax.engine.bank_options import banks_for
 from bitdelta_jax.engine.build import kv_pages
 from bitdelta_jax.engine.engine import Engine
@@ -46,7 +46,7 @@ from serving.cache import DeltaCache, LoadError
 from serving.config import ConfigError, ServerConfig
 from serving.generation import generate, unknown
 from serving.metrics import CONTENT_TYPE_LATEST, Metrics
-from serving.registry import Registry, RegistryError, is_adapter, read_pool
+from serving.registry import Registry, RegistryError, read_pool
 from serving.router import Router
 
 log = logging.getLogger("serving.app")
@@ -281,20 +281,17 @@ class Server:
   def _base_check(self, manifest: dict, where: str) -> None:
     check_base(manifest, self.base_fp, where=where)
 
-  def _read_delta(self, v) -> dict:  # IO thread
-    if self.cfg.multi_process:  # every process reads its own slices (bitdelta_jax/engine/multihost/leader.py)
-      from bitdelta_jax.delta.store import read_manifest
+  def _read_delta(self, v):  # IO thread
+    """What the variant's slot load writes (`bitdelta_jax.delta.variant`): its arrays or LoRA
+    entries; with several processes a reference each process reads its own slices from."""
+    var = open_variant(v.path)
+    if self.cfg.multi_process:  # (bitdelta_jax/engine/multihost/leader.py)
       from bitdelta_jax.engine.multihost.leader import VariantRef
 
-      if not is_adapter(v.path):
-        self._base_check(read_manifest(v.path), str(v.path))
-      return VariantRef(str(v.path), adapter=is_adapter(v.path))
-    if is_adapter(v.path):  # a PEFT LoRA adapter goes into the same slot banks
-      from bitdelta_jax.merge.lora import load_adapter
-      from bitdelta_jax.models.slots import lora_entries
-
-      return lora_entries(load_adapter(v.path))
-    return load_delta(v.path, base_fingerprint=self.base_fp)[0]
+      if var.kind == "delta":
+        self._base_check(var.manifest, str(v.path))
+      return VariantRef(str(v.path), adapter=var.kind == "lora")
+    return var.slot_payload(base_fingerprint=self.base_fp)
 
   def _write_slot(self, slot: int, delta) -> concurrent.futures.Future:
     return self.engine.call(lambda gen: gen.load_variant(slot, delta))
@@ -432,17 +429,12 @@ class Server:
 
 
 def _read_manifests(variants) -> dict:
-  from bitdelta_jax.delta.store import read_manifest
-
+  """Each configured variant's manifest (`bitdelta_jax.delta.variant.open_variant`), or the
+  error reading it."""
   out = {}
   for name, path in variants:
     try:
-      if is_adapter(path):
-        cfg = json.loads((Path(path) / "adapter_config.json").read_text())
-        ranks = [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]
-        out[name] = {"lora_rank": int(max(int(r) for r in ranks)), "tensors": {}}
-        continue
-      out[name] = read_manifest(path)
+      out[name] = open_variant(path).manifest
     except (DeltaStoreError, OSError, ValueError) as e:
       out[name] = e
   return out

@@ -205,11 +205,6 @@ class ServerConfig:
   def multi_process(self) -> bool:
     return self.num_processes > 1
 
-  @property
-  def sharded(self) -> bool:
-    """Serve through `bitdelta_jax.sharding` (a mesh was given, or several processes)."""
-    return self.mesh is not None or self.multi_process
-
   def engine_config(self):
     """The `bitdelta_jax.engine.config.EngineConfig` of these fields (what the engine, the
     generator builder and the multi-process runtime read)."""

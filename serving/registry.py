@@ -20,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest sizes)
-import numpy as np
-
-from bitdelta_jax.delta.store import DeltaStoreError, load_entry, read_manifest
+from bitdelta_jax.delta.store import DeltaStoreError, load_entry
+from bitdelta_jax.delta.variant import is_adapter, open_variant
 from bitdelta_jax.engine.bank_options import (
   Banks,
   added_tokens,
@@ -42,23 +40,10 @@ class RegistryError(ValueError):
     self.param, self.status, self.code = param, status, code
 
 
-def manifest_bytes(manifest: dict) -> int:
-  """Host bytes of a delta (all stored arrays), from its manifest."""
-  total = 0
-  for meta in manifest["tensors"].values():
-    for a in meta["arrays"].values():
-      total += int(np.prod(a["shape"], dtype=np.int64)) * np.dtype(a["dtype"]).itemsize
-  return total
-
-
 def verify_arrays(path: Path, manifest: dict) -> None:
   """Reads each tensor of a delta (one at a time) and checks its arrays' crc32s."""
   for name, meta in manifest["tensors"].items():
     load_entry(Path(path), name, meta, verify=True)
-
-
-def is_adapter(path) -> bool:
-  return os.path.exists(os.path.join(path, "adapter_config.json"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,10 +260,12 @@ class Registry:
     (kept by ``compress`` in ``tokenizer/``) is loaded and must fit its vocabulary."""
     if not os.path.isdir(path):
       raise RegistryError(f"{path}: no such delta directory", param="path")
-    if is_adapter(path):
-      return Inspected(self._inspect_adapter(path), 0, self._tokenizer(path, path, 0)
-                       if os.path.exists(os.path.join(path, "tokenizer.json")) else None)
-    m = read_manifest(path)
+    var = open_variant(path)
+    if var.kind == "lora":
+      own = var.tokenizer_dir()
+      return Inspected(self._inspect_adapter(path), 0,
+                       None if own is None else self._tokenizer(path, own, 0))
+    m = var.manifest
     try:
       if base_check is not None:
         base_check(m, str(path))
@@ -304,13 +291,11 @@ class Registry:
           f"{path}: this variant adds {added} tokens to the vocabulary, but the server has room "
           f"for {self.banks.extra_vocab} added tokens per slot (start it with this variant configured, "
           f"or with --extra-vocab {added})", param="path")
-      from bitdelta_jax.delta.stream import tokenizer_dir
-
-      own = tokenizer_dir(path, m)
+      own = var.tokenizer_dir()
       tok = None if own is None else self._tokenizer(path, own, added)
       if verify:
         verify_arrays(path, m)
-      return Inspected(manifest_bytes(m), added, tok)
+      return Inspected(var.nbytes, added, tok)
     except (KeyError, TypeError, AttributeError) as e:  # fields missing or of the wrong type
       raise DeltaStoreError(f"{path}: corrupt manifest ({type(e).__name__}: {e})") from None
 

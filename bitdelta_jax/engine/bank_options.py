@@ -13,10 +13,8 @@ server (`serving.app`, `engine.build`) and `from_pretrained(..., variants=...)` 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable
-from pathlib import Path
 
 EMBEDDING_TENSORS = ("embed_tokens", "lm_head", "wte", "wpe")
 
@@ -85,15 +83,6 @@ def bank_options(variants: Iterable[str | os.PathLike], vocab_size: int) -> dict
   """``from_pretrained`` keyword arguments whose banks fit every variant directory (deltas
   and PEFT LoRA adapters): ``dense_embedding_slots``, ``packed_embedding_slots``,
   ``lora_rank``, ``extra_vocab`` (rounded up to 64)."""
-  from bitdelta_jax.delta.store import read_manifest
+  from bitdelta_jax.delta.variant import open_variant
 
-  manifests = []
-  for v in variants:
-    p = Path(v)
-    if (p / "adapter_config.json").exists():
-      cfg = json.loads((p / "adapter_config.json").read_text())
-      ranks = [int(r) for r in [cfg.get("r", 8), *(cfg.get("rank_pattern") or {}).values()]]
-      manifests.append({"lora_rank": max(ranks)})
-    else:
-      manifests.append(read_manifest(p))
-  return banks_for(manifests, vocab_size).model_kwargs()
+  return banks_for([open_variant(v).manifest for v in variants], vocab_size).model_kwargs()

@@ -131,10 +131,10 @@ def test_served_one_bit_embedding_variant_equals_its_applied_model(pair):
   equals greedy decoding of the applied dense model."""
   import requests
 
+  from bitdelta_jax.delta.variant import manifest_bytes
   from bitdelta_jax.models.tokenizer import Tokenizer
   from serving.app import ServerThread
   from serving.config import ServerConfig
-  from serving.registry import manifest_bytes
 
   root, base, _, _, exact = pair
   delta, _ = load_delta(root / "delta")

@@ -56,7 +56,7 @@ def test_distributed_flags_and_config(tmp_path):
   f.write_text(json.dumps({"base": "/m/b", "mesh": "model=8", "step_timeout_s": 7.0}))
   c = config_from_args(p.parse_args(["serve", "--config", str(f)]))
   assert (c.mesh, c.num_processes, c.process_id, c.step_timeout_s) == ("model=8", 1, 0, 7.0)
-  assert c.sharded and not c.multi_process
+  assert c.engine_config().sharded and not c.multi_process
   c = config_from_args(p.parse_args(
     ["serve", "--config", str(f), "--coordinator", "h:1", "--num-processes", "2",
      "--process-id", "1", "--mesh", "data=2,model=4", "--step-timeout", "5"]))

@@ -45,7 +45,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,12 +71,11 @@ class VariantRef:
 def resolve(ref: VariantRef):
   """What a runner's ``load_variant`` takes for ``ref``: LoRA factors (small: each process
   reads the adapter whole) or the delta directory (read shard by shard)."""
-  if ref.adapter:
-    from bitdelta_jax.merge.lora import load_adapter
-    from bitdelta_jax.models.slots import lora_entries
+  from bitdelta_jax.delta.variant import VariantDir
 
-    return lora_entries(load_adapter(ref.path))
-  return str(Path(ref.path))
+  # the kind came with the plan: a delta's directory is not read here (the sharded load does)
+  return VariantDir.known(ref.path, "lora" if ref.adapter else "delta").slot_payload(
+    by_shards=True)
 
 
 def apply(runner, op: str, fields: dict) -> None:
