@@ -115,6 +115,13 @@ def _register_native_kernels() -> None:
   registry.register_all()
 
 
+def _is_layer_kernel(path) -> bool:
+  """Whether a model-state leaf (by its key path) is a decoder layer's linear kernel (a dense
+  array or a GGUF block field: ``model/layers/<i>/.../kernel[/qs|d|m]``)."""
+  keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
+  return len(keys) > 2 and keys[0] == "model" and keys[1] == "layers" and "kernel" in keys[3:]
+
+
 def scan_layers_default() -> bool:
   """Scan the decoder layers off CPU; unroll them on CPU. A scan compiles one layer instead of
   L (about 2 s instead of 6 s a program for SmolLM2 on 2 cores) but XLA's CPU backend copies
@@ -167,6 +174,8 @@ class PagedRunner:
     self._state_def = jax.tree.structure(state)
     self._set_state(state)
     self._restack()
+    if self._stacked is not None:
+      self._drop_layer_kernels()
     layer_def, layers_def = None, None
     if self._stacked is not None:
       layer_def, layers_def = self._stacked[0], jax.tree.structure(self._stacked[1])
@@ -435,15 +444,50 @@ class PagedRunner:
     self._stacked = stacked
     self._layers = tuple(jax.tree.leaves(stacked[1]))  # what steps pass, as `_params`
 
+  def _drop_layer_kernels(self) -> None:
+    """Scanning, the decoder layers' linear kernels (the bulk of the base) are held once: in
+    the stacked copy the step scans over. Each layer's own becomes an empty array (one per
+    dtype, replicated), in the model and in the step's arguments. Norms, biases and the slot
+    banks stay per layer: a slot load writes the banks there and reads a norm's base value
+    (`models.slots`), and `_restack` re-stacks only what changed."""
+    from bitdelta_jax.models.llama import rekey_stacked
+
+    empty = {}
+
+    def gone(a):
+      dt = np.dtype(a.dtype)
+      if dt not in empty:
+        empty[dt] = self.layout.replicate(np.zeros((0,), dt))
+      return empty[dt]
+
+    state = nnx.state(self.model)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    drop = [_is_layer_kernel(path) for path, _ in flat]
+    if not any(drop):
+      return
+    nnx.update(self.model, jax.tree_util.tree_unflatten(
+      treedef, [gone(a) if d else a for (_, a), d in zip(flat, drop, strict=True)]))
+    if self.mesh is not None:  # the step's in_shardings: the empty arrays are replicated
+      shardings, sdef = jax.tree.flatten(self.layout.params)
+      self.layout = dataclasses.replace(self.layout, params=jax.tree.unflatten(
+        sdef, [self.layout.replicated if d else s for s, d in zip(shardings, drop, strict=True)]))
+    self._stacked = rekey_stacked(self.model, self._stacked)
+    self._set_state(self.layout.place_state(nnx.state(self.model)))
+    release_free_heap()
+
   def _layer_shardings(self):
-    """The stacked states' shardings on a mesh: each layer leaf's, with the layer axis whole."""
+    """The stacked states' shardings on a mesh: each layer leaf's, with the layer axis whole
+    (taken once, before `_drop_layer_kernels` makes the layers' own kernels empty)."""
     if self.mesh is None or not self.scan_layers:
       return None
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    if getattr(self, "_stacked_shardings", None) is None:
+      from jax.sharding import NamedSharding
+      from jax.sharding import PartitionSpec as P
 
-    per_layer = self.layout.params["model"]["layers"][0]
-    return jax.tree.map(lambda sh: NamedSharding(self.mesh, P(None, *sh.spec)), per_layer)
+      per_layer = self.layout.params["model"]["layers"][0]
+      self._stacked_shardings = jax.tree.map(
+        lambda sh: NamedSharding(self.mesh, P(None, *sh.spec)), per_layer)
+    return self._stacked_shardings
 
   # -- helpers --------------------------------------------------------------------------------
   def neutral(self, rows: int) -> LogitControls:

@@ -357,3 +357,14 @@ def stack_layers(model: LlamaForCausalLM, previous=None):
     memo[j] = (ids, arr, per_layer)  # per_layer kept so the ids stay valid
     stacked.append(arr)
   return defs[0], jax.tree_util.tree_unflatten(treedef, stacked), memo
+
+
+def rekey_stacked(model: LlamaForCausalLM, stacked):
+  """``stacked`` (a `stack_layers` result) with its memo keyed by the layers' leaves as they
+  are now: after per-layer leaves were replaced by placeholders whose stacked arrays stay
+  valid (`PagedRunner` drops the layers' own kernels), so a later `stack_layers` reuses them."""
+  layer_def, tree, memo = stacked
+  leaves_by_layer = [jax.tree_util.tree_leaves(nnx.state(layer)) for layer in model.model.layers]
+  new = {j: (tuple(id(a) for a in per_layer), memo[j][1], per_layer)
+         for j, per_layer in enumerate(zip(*leaves_by_layer))}
+  return layer_def, tree, new

@@ -23,6 +23,7 @@ from bitdelta_jax import sharding
 from bitdelta_jax.delta.entries import Dense, LoraEntry
 from bitdelta_jax.delta.format import PackedDelta, packed_rows
 from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.runner import _is_layer_kernel
 from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.engine.stops import check_stop
 from bitdelta_jax.models import LlamaForCausalLM, ModelConfig
@@ -125,10 +126,36 @@ def requests():
   ]
 
 
+def kernel_bytes(runner, total: int) -> dict:
+  """The decoder layers' linear kernels as the runner holds them, in bytes on the first
+  device: in the step's per-layer arguments (the model's own) and in the stacked copy it scans
+  over; ``total``: all of them, unsharded."""
+  dev = runner.mesh.devices.flat[0] if runner.mesh is not None else jax.devices()[0]
+
+  def on_dev(arrays) -> int:
+    seen, n = set(), 0
+    for a in arrays:
+      for sh in a.addressable_shards:
+        if sh.device == dev and id(sh.data) not in seen:
+          seen.add(id(sh.data))
+          n += int(sh.data.nbytes)
+    return n
+
+  flat = jax.tree_util.tree_leaves_with_path(nnx.state(runner.model))
+  per_layer = on_dev(a for p, a in flat if _is_layer_kernel(p))
+  paths = jax.tree_util.tree_leaves_with_path(runner._stacked[1])
+  stacked = on_dev(a for p, a in paths if "kernel" in [getattr(k, "key", None) for k in p])
+  model_axis = dict(runner.mesh.shape).get("model", 1) if runner.mesh is not None else 1
+  return {"per_layer": per_layer, "stacked": stacked, "total": total, "model_axis": model_axis}
+
+
 def run(mesh, scan: bool = False) -> dict:
   """The requests on ``mesh`` (None: one device). ``scan``: the layers as one scan over stacked
   states, every step program compiled ahead of time and the compile guard on."""
   model = LlamaForCausalLM(CFG, rngs=nnx.Rngs(0))
+  # every decoder layer's linear kernels, before anything is sharded or stacked
+  kernel_total = sum(int(a.nbytes) for p, a in jax.tree_util.tree_leaves_with_path(
+    nnx.state(model)) if _is_layer_kernel(p))
   vs = variants(model)
   for slot in (1, 2, 4, 5):
     load_variant(model, slot, vs[slot])
@@ -156,7 +183,8 @@ def run(mesh, scan: bool = False) -> dict:
         gen.finish(s)
   k = gen.runners[0].k_pool
   gathers = all_gathers(gen) if mesh is not None else {}
-  return {"choices": out, "gathers": gathers, "kv_spec": str(getattr(k.sharding, "spec", None)),
+  held = kernel_bytes(gen.runners[0], kernel_total) if scan else None
+  return {"kernel_bytes": held, "choices": out, "gathers": gathers, "kv_spec": str(getattr(k.sharding, "spec", None)),
           "kv_shard_shape": list(k.addressable_shards[0].data.shape),
           "kv_devices": [len(r.k_pool.sharding.device_set) for r in gen.runners],
           "groups": gen.data_groups, "compiles": gen.compiles}

@@ -52,6 +52,14 @@ def test_mesh_gives_the_one_device_tokens_and_log_probabilities(report, spec):
       np.testing.assert_allclose(vals_g, vals_r, atol=1e-4)
 
 
+def test_a_scanned_mesh_holds_the_layers_kernels_once(report):
+  """Issue 47 item 6: with the layers as one scan (the GPU default) each device holds its shard
+  of the decoder layers' kernels once, in the stacked copy; the layers' own are empty."""
+  kb = report["meshes"]["1x8_scan"]["kernel_bytes"]
+  assert kb["per_layer"] == 0, kb  # (was the whole shard again: 2x the base on every device)
+  assert kb["model_axis"] == 8 and kb["stacked"] == kb["total"] // 8, kb  # exactly the shard
+
+
 def test_kv_pages_split_by_kv_head_when_the_heads_divide(report):
   one, m18, m24 = report["one_device"], report["meshes"]["1x8"], report["meshes"]["2x4"]
   # [L, pages, page_size, kv_heads, head_dim]: 4 kv heads over model=4, whole on model=8
