@@ -428,11 +428,11 @@ def _wait_healthy(url, procs, logs, timeout=150):
   pytest.fail("multi-process server did not become healthy:\n" + logs[0].read_text()[-4000:])
 
 
-STRAGGLE_S = 35.0  # past gloo's 30 s to create a communicator (issue 50's start-up failure)
+STRAGGLE_S = 32.0  # past gloo's 30 s to create a communicator (issue 50's start-up failure)
 
 
 def test_two_processes_serve_like_one_and_survive_a_dead_worker(family, request):
-  """One process reaches its first collective 35 s after the other (the straggler of a fleet
+  """One process reaches its first collective 32 s after the other (the straggler of a fleet
   with warm and cold step caches): the start waits for it, then both serve like one."""
   root, cfg = family
   http_port = _free_port()
