@@ -37,9 +37,9 @@ from aiohttp import web
 from bitdelta_jax.delta.entries import DeltaMismatchError
 from bitdelta_jax.delta.store import DeltaStoreError, check_base
 from bitdelta_jax.delta.variant import open_variant
-from bitdelta_jax.engine.bank_options import banks_for
 from bitdelta_jax.engine.build import kv_pages
 from bitdelta_jax.engine.engine import Engine
+from bitdelta_jax.models.banks import banks_for
 from serving import malformed_log
 from serving import protocol as P
 from serving.cache import DeltaCache, LoadError

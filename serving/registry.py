@@ -22,7 +22,7 @@ from typing import Any
 
 from bitdelta_jax.delta.store import DeltaStoreError, load_entry
 from bitdelta_jax.delta.variant import is_adapter, open_variant
-from bitdelta_jax.engine.bank_options import (
+from bitdelta_jax.models.banks import (
   Banks,
   added_tokens,
   changes_embeddings,

@@ -3,7 +3,7 @@
     v = open_variant("deltas/math")            # reads the manifest / adapter_config.json only
     v.kind, v.manifest, v.nbytes, v.lora_rank  # "delta" | "lora"
     v.added_tokens(vocab_size), v.tokenizer_dir()
-    banks_for([v.manifest], vocab_size)        # the slot banks it needs (`engine.bank_options`)
+    banks_for([v.manifest], vocab_size)        # the slot banks it needs (`models.banks`)
     payload = v.slot_payload(base_fingerprint=fp)       # what `runner.load_variant` takes
     payload = v.slot_payload(by_shards=True)            # on a mesh: each process its slices
 
@@ -55,7 +55,7 @@ class VariantDir:
   path: Path
   kind: str  # "delta" | "lora"
   # a delta's manifest; an adapter's stands in as {"lora_rank": r, "tensors": {}}, which is
-  # what the bank and vocabulary rules read (`engine.bank_options`)
+  # what the bank and vocabulary rules read (`models.banks`)
   manifest: dict
 
   @classmethod
@@ -76,7 +76,7 @@ class VariantDir:
     return manifest_bytes(self.manifest) if self.kind == "delta" else 0
 
   def added_tokens(self, vocab_size: int) -> int:
-    from bitdelta_jax.engine.bank_options import added_tokens
+    from bitdelta_jax.models.banks import added_tokens
 
     return added_tokens(self.manifest, vocab_size) if self.kind == "delta" else 0
 

@@ -2,7 +2,7 @@
 processes, its per-slot banks, its KV pages. Each is decided here once; the server's start-up
 checks (`serving.app`) and the engine ask the same functions.
 
-    banks = bank_options.banks_for(manifests, vocab_size)   # which banks the variants need
+    banks = banks_for(manifests, vocab_size)   # which banks the variants need (`models.banks`)
     pages = kv_pages(cfg, model_config)                     # KV pages of each data group
     gen = build_generator(cfg, banks, tokenizer=tok)
 
@@ -17,7 +17,7 @@ import os
 import pathlib
 from collections.abc import Callable
 
-from bitdelta_jax.engine.bank_options import Banks
+from bitdelta_jax.models.banks import Banks
 from pallas_kernels import settings
 from pallas_kernels.cache import cache_root
 

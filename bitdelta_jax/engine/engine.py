@@ -34,13 +34,13 @@ import threading
 import time
 from collections.abc import Callable
 
-from bitdelta_jax.engine.bank_options import Banks
 from bitdelta_jax.engine.build import build_generator, enable_compile_cache
 from bitdelta_jax.engine.config import EngineConfig, Metrics
 from bitdelta_jax.engine.generator import per_request
 from bitdelta_jax.engine.multihost.runtime import WorkerLost
 from bitdelta_jax.engine.request import Event, Generation, Request
 from bitdelta_jax.engine.stops import check_stop, kept_tokens, num_kept
+from bitdelta_jax.models.banks import Banks
 
 log = logging.getLogger("bitdelta_jax.engine.engine")
 

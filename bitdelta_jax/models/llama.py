@@ -18,7 +18,9 @@ Public entry points on `LlamaForCausalLM`:
 * ``forward_paged(batch: PagedBatch, k_pool, v_pool)`` → ``(logits [N,V], k_pool, v_pool)``:
   the serving engine's one computation over a paged KV cache ``[L, pages, page_size,
   kv_heads, head_dim]`` (see `bitdelta_jax.engine.generator`): decode rows, prompt chunks and
-  several prompts packed into one row alike.
+  several prompts packed into one row alike. ``batch`` is read by its fields only (the engine's
+  `PagedBatch`, which the engine registers as a pytree before it jits a step): the model does
+  not import the engine.
 
 ``slot_ids [B]`` picks each row's variant (0 = base); None runs the base for every row.
 """
@@ -33,11 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bitdelta_jax.engine.pytrees import register_step_data
 from bitdelta_jax.models.config import ModelConfig
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-
-register_step_data()  # forward_paged reads a PagedBatch
 
 _NEG = float(np.finfo(np.float32).min)
 

@@ -165,7 +165,7 @@ def from_pretrained(
     delta_implementation: forced ``delta_matmul`` implementation (None = best available).
     variants: delta / PEFT adapter directories to be loaded into the slots: the banks they
       need (1-bit or exact embedding deltas, added tokens, LoRA rank) are added to the ones
-      asked for above (`bitdelta_jax.engine.bank_options`).
+      asked for above (`bitdelta_jax.models.banks`).
 
   Raises:
     ConfigError: unsupported architecture or config field.
@@ -173,7 +173,7 @@ def from_pretrained(
   """
   path = resolve_base(path)  # FILE.gguf: its metadata directory
   if variants:
-    from bitdelta_jax.engine.bank_options import bank_options
+    from bitdelta_jax.models.banks import bank_options
 
     need = bank_options(variants, load_config(path).vocab_size)
     dense_embedding_slots |= need["dense_embedding_slots"]

@@ -51,3 +51,14 @@ def test_the_library_never_imports_the_server():
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_model_and_the_formats_never_import_the_engine():
+  code = ("import sys, bitdelta_jax.models.llama, bitdelta_jax.models.loading, "
+          "bitdelta_jax.models.banks, bitdelta_jax.delta.variant, bitdelta_jax.delta.stream, "
+          "bitdelta_jax.hf.gguf_base, bitdelta_jax.sharding, pallas_kernels.quant_matmul; "
+          "print(sorted(m for m in sys.modules if m.startswith('bitdelta_jax.engine') "
+          "or m == 'serving' or m.startswith('serving.')))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "[]", out.stdout

@@ -49,7 +49,7 @@ def status():
 import jax, numpy as np
 from flax import nnx
 from bitdelta_jax.engine.build import build_generator
-from bitdelta_jax.engine.bank_options import Banks
+from bitdelta_jax.models.banks import Banks
 from bitdelta_jax.models.layers import SlotBank
 from serving.app import with_gguf_base
 from serving.config import ServerConfig

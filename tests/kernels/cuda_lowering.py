@@ -41,7 +41,7 @@ LLAMA_HEADS = dict(model_type="llama", hidden_size=1024, intermediate_size=2048,
                    head_dim=128, vocab_size=4096, rms_norm_eps=1e-5, rope_theta=500000.0,
                    tie_word_embeddings=False, max_position_embeddings=8192, hidden_act="silu")
 CONFIGS = {"smollm2": SMOLLM2, "llama_heads": LLAMA_HEADS}
-# The per-slot banks a server may hold (`engine.bank_options.Banks`): "linear" the 1-bit linear
+# The per-slot banks a server may hold (`models.banks.Banks`): "linear" the 1-bit linear
 # slots alone; "all" every kind at once (1-bit linear, packed and dense embedding / LM-head
 # banks, LoRA factors, a grown vocabulary), as a server holding variants of every kind builds.
 BANKS = {"linear": {},

@@ -17,12 +17,12 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from kmerge_fixtures import NANO, random_adapter  # noqa: E402
 
 from bitdelta_jax.engine import Generator
-from bitdelta_jax.engine.bank_options import Banks  # noqa: E402
 from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
 from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
 from bitdelta_jax.kmerge import KMergePool, PoolConfig, canonical  # noqa: E402
 from bitdelta_jax.merge.lora import from_factors, save_adapter  # noqa: E402
 from bitdelta_jax.models import from_tensors  # noqa: E402
+from bitdelta_jax.models.banks import Banks  # noqa: E402
 from bitdelta_jax.models.loading import load_config  # noqa: E402
 from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
 from serving.app import BadVariantsError, ServerThread  # noqa: E402

@@ -5,7 +5,7 @@ import pytest
 
 from bitdelta_jax.delta.compress import CompressPolicy
 from bitdelta_jax.delta.stream import compress_checkpoints
-from bitdelta_jax.engine.bank_options import Banks
+from bitdelta_jax.models.banks import Banks
 from bitdelta_jax.synthetic import make_base, make_finetune, write_checkpoint
 from serving.registry import Registry, RegistryError
 from serving.testing import TINY

@@ -255,10 +255,10 @@ def run_follower(cfg) -> int:
   Call after `bitdelta_jax.engine.multihost.runtime.initialize`. Returns 0 on ``stop``, 1 when the channel
   to process 0 fails (process 0 died: there is nobody left to serve).
   """
-  from bitdelta_jax.engine.bank_options import Banks
   from bitdelta_jax.engine.build import build_generator
   from bitdelta_jax.engine.multihost.channel import PlanReceiver
   from bitdelta_jax.engine.multihost.runtime import barrier, broadcast_json
+  from bitdelta_jax.models.banks import Banks
 
   barrier("joined")
   try:

@@ -7,7 +7,8 @@
 A variant whose embeddings / LM head changed exactly needs dense embedding banks, a 1-bit one
 packed banks, one that added tokens ``extra_vocab`` rows, a PEFT LoRA adapter or a delta with
 low-rank factors (manifest ``lora_rank``: dqrelo, svd, delta-come) LoRA banks of its rank. The
-server (`serving.app`, `engine.build`) and `from_pretrained(..., variants=...)` all ask here.
+server (`serving.app`), the engine (`engine.build`) and `from_pretrained(..., variants=...)`
+all ask here: it lives with the model, below both.
 """
 
 from __future__ import annotations
