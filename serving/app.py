@@ -522,27 +522,24 @@ def _auth(api_key: str | None, admin_key: str | None):
   async def auth(request: web.Request, handler):
     if request.path == "/health":
       return await handler(request)
+    admin = request.path == "/v1/variants" or request.path.startswith("/v1/variants/")
+    if admin:  # the keys a route takes; None: open
+      keys = (admin_key,) if admin_key is not None else () if api_key is not None else None
+    else:
+      keys = (api_key, admin_key) if api_key is not None else None
     token = _bearer(request)
-    if request.path == "/v1/variants" or request.path.startswith("/v1/variants/"):
-      if admin_key is not None:
-        if _is(token, admin_key):
-          return await handler(request)
-        if _is(token, api_key):
-          return refuse(403, "the admin routes need the admin key, not the API key",
-                        "admin_key_required")
-        return refuse(401, "missing or incorrect admin key (send 'Authorization: Bearer "
-                      "<admin key>')", "invalid_api_key")
-      if api_key is not None:
-        if _is(token, api_key):
-          return refuse(403, "the admin routes are off: this server has an API key and no "
-                        "admin key (start it with --admin-key)", "admin_key_required")
-        return refuse(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                      "invalid_api_key")
+    if keys is None or any(_is(token, k) for k in keys):
       return await handler(request)
-    if api_key is not None and not (_is(token, api_key) or _is(token, admin_key)):
-      return refuse(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
-                    "invalid_api_key")
-    return await handler(request)
+    if admin and _is(token, api_key):
+      why = ("the admin routes need the admin key, not the API key" if admin_key is not None
+             else "the admin routes are off: this server has an API key and no admin key (start "
+             "it with --admin-key)")
+      return refuse(403, why, "admin_key_required")
+    if admin and admin_key is not None:
+      return refuse(401, "missing or incorrect admin key (send 'Authorization: Bearer <admin "
+                    "key>')", "invalid_api_key")
+    return refuse(401, "missing or incorrect API key (send 'Authorization: Bearer <key>')",
+                  "invalid_api_key")
 
   return auth
 

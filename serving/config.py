@@ -80,7 +80,7 @@ class ServerConfig:
   rate_half_life_s: float = 60.0  # decay of the per-variant request-rate counter (eviction)
   load_retry_s: float = 5.0  # after a failed load, requests fail fast for this long
   # POST /v1/variants paths must lie under one of these; () means the directories holding the
-  # configured variants plus the cache root (`default_admin_roots`); ("/",) allows any path
+  # configured variants plus the cache root (`variant_roots`); ("/",) allows any path
   admin_roots: tuple[str, ...] = ()
   verify_base: bool = True  # check each delta's base fingerprint (crc of every base tensor)
   verify_variants: bool = True  # at start, read each configured delta once and check its crc32s
@@ -121,15 +121,9 @@ class ServerConfig:
 
     need(isinstance(self.base, str) and self.base != "", "base", "a base model directory is required")
     need(0 <= int(self.port) < 65536, "port", f"must be in [0, 65535], got {self.port}")
-    need(self.device_slots >= 1, "device_slots", f"must be >= 1, got {self.device_slots}")
     need(self.host_cache_mb >= 0, "host_cache_mb", f"must be >= 0, got {self.host_cache_mb}")
-    need(self.max_batch >= 1, "max_batch", f"must be >= 1, got {self.max_batch}")
     need(self.max_queued_requests is None or self.max_queued_requests >= 0,
          "max_queued_requests", f"must be >= 0, got {self.max_queued_requests}")
-    need(self.max_seq_len >= 8, "max_seq_len", f"must be >= 8, got {self.max_seq_len}")
-    need(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
-    need(self.kv_cache_mb > 0, "kv_cache_mb", f"must be > 0, got {self.kv_cache_mb}")
-    need(self.prefill_chunk >= 1, "prefill_chunk", f"must be >= 1, got {self.prefill_chunk}")
     need(self.top_n_pin >= 0, "top_n_pin", f"must be >= 0, got {self.top_n_pin}")
     for key in ("header_timeout_s", "body_timeout_s"):
       need(getattr(self, key) > 0, key, f"must be > 0, got {getattr(self, key)}")
@@ -145,8 +139,6 @@ class ServerConfig:
     need(self.io_threads >= 1, "io_threads", "must be >= 1")
     need(self.extra_vocab is None or self.extra_vocab >= 0, "extra_vocab",
          f"must be >= 0, got {self.extra_vocab}")
-    need(self.dtype in ("float32", "bfloat16", "float16"), "dtype",
-         f"must be float32, bfloat16 or float16, got {self.dtype!r}")
     need(self.kmerge_pool is None or (isinstance(self.kmerge_pool, str) and self.kmerge_pool != ""),
          "kmerge_pool", f"expected a pool directory, got {self.kmerge_pool!r}")
     names = [check_name(n, "variant name") for n, _ in self.variants]
@@ -161,19 +153,13 @@ class ServerConfig:
          f"{self.device_slots}")
     need(self.mesh is None or bool(MESH_RE.match(self.mesh)), "mesh",
          f"expected 'data=D,model=M' (either axis may be left out), got {self.mesh!r}")
-    need(self.num_processes >= 1, "num_processes", f"must be >= 1, got {self.num_processes}")
-    need(0 <= self.process_id < self.num_processes, "process_id",
-         f"must be in [0, {self.num_processes}), got {self.process_id}")
-    need(self.num_processes == 1 or bool(self.coordinator), "coordinator",
-         "num_processes > 1 needs a coordinator HOST:PORT")
-    need(self.step_timeout_s > 0, "step_timeout_s", "must be > 0")
-    need(self.start_timeout_s > 0, "start_timeout_s", "must be > 0")
-    need(self.stall_timeout_s > 0, "stall_timeout_s", f"must be > 0, got {self.stall_timeout_s}")
     need(self.delete_grace_s >= 0, "delete_grace_s", f"must be >= 0, got {self.delete_grace_s}")
     need(self.shutdown_grace_s >= 0, "shutdown_grace_s",
          f"must be >= 0, got {self.shutdown_grace_s}")
-    need(self.max_step_failures >= 1, "max_step_failures",
-         f"must be >= 1, got {self.max_step_failures}")
+    try:  # the engine's fields (rows, KV cache, dtype, processes, timeouts): its own checks
+      self.engine_config()
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
 
   # -- derived -------------------------------------------------------------------------------
   @property

@@ -170,6 +170,7 @@ class PagedRunner:
       scan_layers = scan_layers_default()
     self.scan_layers = bool(scan_layers)
     self._stacked = self._layers = None
+    self._stacked_shardings = None  # `_layer_shardings`, taken once
     self.graphdef, state = nnx.split(model)
     self._state_def = jax.tree.structure(state)
     self._set_state(state)
@@ -480,7 +481,7 @@ class PagedRunner:
     (taken once, before `_drop_layer_kernels` makes the layers' own kernels empty)."""
     if self.mesh is None or not self.scan_layers:
       return None
-    if getattr(self, "_stacked_shardings", None) is None:
+    if self._stacked_shardings is None:
       from jax.sharding import NamedSharding
       from jax.sharding import PartitionSpec as P
 

@@ -134,7 +134,6 @@ class _Watchdog:
   def __init__(self, timeout_s: float, process_id: int):
     self.timeout_s, self.process_id = timeout_s, process_id
     self.stage = "starting"
-    self.t0 = time.monotonic()
     self._done = threading.Event()
     threading.Thread(target=self._watch, name="start-watchdog", daemon=True).start()
 
