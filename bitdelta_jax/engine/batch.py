@@ -15,27 +15,20 @@ import dataclasses
 import numpy as np
 
 from bitdelta_jax.engine.logit_controls import LogitControls
+from pallas_kernels.attention_inputs import AttentionInputs
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedBatch:
   """One step's inputs: a ragged batch of N tokens (decode tokens first, then prompt chunks),
   R decode lanes and sampled outputs (R = min(N, max_rows)), U prompt pages. The shapes depend
-  on N only; see `pallas_kernels.paged_attention` for how attention reads them."""
+  on N only; see `pallas_kernels.paged_attention` for how attention reads ``attention``."""
 
   tokens: np.ndarray  # int32 [N]
-  positions: np.ndarray  # int32 [N] position of each token in its own sequence
   slot_ids: np.ndarray  # int32 [N] each token's variant slot
-  token_seq: np.ndarray  # int32 [N] index of a prompt token's sequence in `pages` (-1: none)
   write_page: np.ndarray  # int32 [N] where each token's K/V goes (page 0: padding)
   write_offset: np.ndarray  # int32 [N]
-  lane_pages: np.ndarray  # int32 [R, P] page table of the decode token at position r
-  lane_len: np.ndarray  # int32 [R] its keys after this step's write (0: not a decode token)
-  pages: np.ndarray  # int32 [U] the pages the prompt chunks read
-  page_seq: np.ndarray  # int32 [U] sequence each page belongs to (-2: padding)
-  page_start: np.ndarray  # int32 [U] position of the page's first token
-  page_fill: np.ndarray  # int32 [U] valid tokens in the page after this step's writes
-  blocks: np.ndarray  # int32 [2] page blocks the decode and prompt attention passes walk
+  attention: AttentionInputs  # positions, page tables and lengths: what attention reads
   out_index: np.ndarray  # int32 [R] token index of each output (a sequence's last token)
   out_slot_ids: np.ndarray  # int32 [R]
   keys: np.ndarray  # uint32 [R, 2] the request's PRNGKey(seed)
@@ -103,12 +96,10 @@ class StepShapes:
     """A batch of N padding tokens (host arrays, neutral controls as None): the template the
     scheduler fills in, and what the warm-up compiles with."""
     n, r = n_bucket, self.lanes(n_bucket)
-    u = r * self.lane_width
     i32 = lambda shape, v=0: np.full(shape, v, np.int32)  # noqa: E731
     return PagedBatch(
-      tokens=i32(n), positions=i32(n), slot_ids=i32(n), token_seq=i32(n, -1), write_page=i32(n),
-      write_offset=i32(n), lane_pages=i32((r, self.lane_width)), lane_len=i32(r),
-      pages=i32(u), page_seq=i32(u, -2), page_start=i32(u), page_fill=i32(u), blocks=i32(2),
+      tokens=i32(n), slot_ids=i32(n), write_page=i32(n), write_offset=i32(n),
+      attention=AttentionInputs.empty(n, r, self.lane_width, self.block_pages),
       out_index=i32(r), out_slot_ids=i32(r), keys=np.zeros((r, 2), np.uint32), key_pos=i32(r),
       temperature=np.zeros((r,), np.float32), top_p=np.ones((r,), np.float32), top_k=i32(r),
       controls=None, want_logprobs=np.zeros((r,), bool), score_target=i32(n, -1))

@@ -343,13 +343,14 @@ class Scheduler:
     ps, sh = self.page_size, self.shapes
     n_tok = len(decode) + sum(n for _, n in prefill)
     b = sh.empty(sh.bucket(n_tok))
+    a = b.attention
     out_at: dict[int, int] = {}
     for r, (s, _) in enumerate(decode):
       pos = s.n_cached
-      b.tokens[r], b.positions[r], b.slot_ids[r] = s.tokens[pos], pos, s.slot
+      b.tokens[r], a.positions[r], b.slot_ids[r] = s.tokens[pos], pos, s.slot
       b.write_page[r], b.write_offset[r] = s.pages[pos // ps], pos % ps
-      b.lane_pages[r, : len(s.pages)] = s.pages
-      b.lane_len[r] = pos + 1
+      a.lane_pages[r, : len(s.pages)] = s.pages
+      a.lane_len[r] = pos + 1
       out_at[id(s)] = r
     col, u = len(decode), 0
     scored: list[tuple[Request, int, int]] = []  # (seq, prompt position scored, token index)
@@ -357,13 +358,13 @@ class Scheduler:
       pos = np.arange(s.n_cached, s.n_cached + n)
       sl = slice(col, col + n)
       b.tokens[sl] = s.tokens[s.n_cached : s.n_cached + n]
-      b.positions[sl], b.slot_ids[sl], b.token_seq[sl] = pos, s.slot, j
+      a.positions[sl], b.slot_ids[sl], a.token_seq[sl] = pos, s.slot, j
       b.write_page[sl] = np.asarray(s.pages, np.int32)[pos // ps]
       b.write_offset[sl] = pos % ps
       k = len(s.pages)
-      b.pages[u : u + k], b.page_seq[u : u + k] = s.pages, j
-      b.page_start[u : u + k] = np.arange(k) * ps
-      b.page_fill[u : u + k] = np.clip(s.n_cached + n - np.arange(k) * ps, 0, ps)
+      a.pages[u : u + k], a.page_seq[u : u + k] = s.pages, j
+      a.page_start[u : u + k] = np.arange(k) * ps
+      a.page_fill[u : u + k] = np.clip(s.n_cached + n - np.arange(k) * ps, 0, ps)
       if s.n_cached + n == len(s.tokens):
         out_at[id(s)] = col + n - 1
       if s.scores_prompt:  # position q's logits score prompt token q + 1
@@ -379,7 +380,7 @@ class Scheduler:
     if 0 < n_tok < len(b.slot_ids):
       b.slot_ids[n_tok:] = b.slot_ids[n_tok - 1]
     bk = sh.block_pages * ps
-    b.blocks[:] = (-(-int(b.lane_len.max(initial=0)) // bk), -(-u // sh.block_pages))
+    a.blocks[:] = (-(-int(a.lane_len.max(initial=0)) // bk), -(-u // sh.block_pages))
     outputs = [s for s, _ in decode + prefill if id(s) in out_at]
     for j, s in enumerate(outputs):
       b.out_index[j], b.out_slot_ids[j], b.keys[j] = out_at[id(s)], s.slot, s.key

@@ -19,8 +19,10 @@ Public entry points on `LlamaForCausalLM`:
   the serving engine's one computation over a paged KV cache ``[L, pages, page_size,
   kv_heads, head_dim]`` (see `bitdelta_jax.engine.generator`): decode rows, prompt chunks and
   several prompts packed into one row alike. ``batch`` is read by its fields only (the engine's
-  `PagedBatch`, which the engine registers as a pytree before it jits a step): the model does
-  not import the engine.
+  `PagedBatch`, which the engine registers as a pytree before it jits a step): its tokens,
+  slots and K/V write positions, and ``batch.attention``, the
+  `pallas_kernels.attention_inputs.AttentionInputs` (positions, page tables, lengths) that
+  every layer's attention reads as one pytree. The model does not import the engine.
 
 ``slot_ids [B]`` picks each row's variant (0 = base); None runs the base for every row.
 """
@@ -231,7 +233,7 @@ class LlamaForCausalLM(nnx.Module):
     return self._logits(h_MxD[:, None], slot_ids)[:, 0]
 
   def forward_paged(self, batch, k_pool: jax.Array, v_pool: jax.Array, *, base_only: bool = False,
-                    kv_sharding=None, layers=None, block_pages: int | None = None):
+                    kv_sharding=None, layers=None):
     """One ragged token batch over a paged KV cache; see `bitdelta_jax.engine.batch`.
 
     Every token is a row of its own (``[N, 1, D]`` through the layers, with its own variant
@@ -247,19 +249,14 @@ class LlamaForCausalLM(nnx.Module):
 
     cfg = self.config
     n = batch.tokens.shape[0]
-    ps = k_pool.shape[2]
-    bp = block_pages or max(1, 128 // ps)
     slot_ids = None if base_only else batch.slot_ids
     x = self.model.embed_tokens(batch.tokens[:, None].astype(jnp.int32), slot_ids)
-    cos, sin = rope_cos_sin(cfg.rope.inv_freq(cfg.head_dim), batch.positions[:, None])
+    tables = batch.attention
+    cos, sin = rope_cos_sin(cfg.rope.inv_freq(cfg.head_dim), tables.positions[:, None])
     wp, wo = batch.write_page, batch.write_offset
-    tables = dict(lane_pages=batch.lane_pages, lane_len=batch.lane_len, pages=batch.pages,
-                  page_seq=batch.page_seq, page_start=batch.page_start,
-                  page_fill=batch.page_fill, token_seq=batch.token_seq,
-                  positions=batch.positions, blocks=batch.blocks)
 
     def attention(q, k_pool, v_pool, i, window, tables):
-      return ragged_paged_attention(q, k_pool, v_pool, i, window=window, block_pages=bp, **tables)
+      return ragged_paged_attention(q, k_pool, v_pool, i, tables, window=window)
 
     heads = None if kv_sharding is None else kv_sharding.spec[1]
     # in place (the C++ write on CPU for bf16, the GPU kernel under CUDA); a pool sharded over

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import settings
 
+from ..attention_inputs import AttentionInputs
 from ..platform import hopper_reason, lowering_platform, target_platform
 from . import cpu, mosaic_gpu, mosaic_gpu_prefill, reference
 from .mosaic_gpu_write import shapes_supported as _write_shapes_supported
@@ -116,17 +117,8 @@ def ragged_paged_attention(
   k_pool: jax.Array,
   v_pool: jax.Array,
   layer,
+  inputs: AttentionInputs,
   *,
-  lane_pages,
-  lane_len,
-  pages,
-  page_seq,
-  page_start,
-  page_fill,
-  token_seq,
-  positions,
-  blocks,
-  block_pages: int,
   window=None,
   implementation: str | None = None,
   interpret=False,
@@ -140,23 +132,10 @@ def ragged_paged_attention(
       not take raises NotImplementedError, for a platform it cannot run on RuntimeError.
     interpret: run the Mosaic GPU kernel in interpret mode (True or an ``InterpretGPUParams``).
 
-  The kernel bounds each lane by its own ``lane_len`` and does not read ``blocks[0]`` (it
-  covers every key below ``lane_len``, as the reference does when the host sizes ``blocks[0]``
-  from the longest lane).
+  The kernels bound each lane by its own ``lane_len`` and do not read ``inputs.blocks[0]``
+  (they cover every key below ``lane_len``, as the reference does when the host sizes
+  ``blocks[0]`` from the longest lane).
   """
-  kw = dict(
-    lane_pages=lane_pages,
-    lane_len=lane_len,
-    pages=pages,
-    page_seq=page_seq,
-    page_start=page_start,
-    page_fill=page_fill,
-    token_seq=token_seq,
-    positions=positions,
-    blocks=blocks,
-    block_pages=block_pages,
-    window=window,
-  )
   if implementation is None:
     name = _default(q_NxHxD, k_pool)
   elif implementation in IMPLEMENTATIONS:
@@ -166,7 +145,8 @@ def ragged_paged_attention(
       f"unknown implementation {implementation!r}; choose from {IMPLEMENTATIONS} or None"
     )
   if name == "reference":
-    return reference.ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, **kw)
+    return reference.ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, inputs, window=window)
+  lane_pages, lane_len = inputs.lane_pages, inputs.lane_len
   r = lane_pages.shape[0]
   if name == "cpu":
     if (platform := target_platform()) != "cpu":
@@ -190,16 +170,13 @@ def ragged_paged_attention(
       window=window,
       interpret=interpret,
     )
-  chunks = dict(pages=pages, page_seq=page_seq, page_start=page_start, page_fill=page_fill,
-                token_seq=token_seq, positions=positions, window=window)
   if name == "mosaic_gpu" and prefill_unavailable_reason(q_NxHxD, k_pool) is None:
     pre = mosaic_gpu_prefill.packed_prefill(
-      q_NxHxD, k_pool, v_pool, layer, **chunks, interpret=interpret)
+      q_NxHxD, k_pool, v_pool, layer, inputs, window=window, interpret=interpret)
   else:
     narrow = name == "cpu" and k_pool.dtype != jnp.float32
-    pre = reference.packed_prefill(
-      q_NxHxD, k_pool, v_pool, layer, **chunks, blocks=blocks, block_pages=block_pages,
-      gather=cpu.gather if narrow else None)
+    pre = reference.packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs, window=window,
+                                   gather=cpu.gather if narrow else None)
   return reference.merge(dec, pre, lane_len)
 
 
@@ -261,6 +238,7 @@ def write_kv(pool, layer, page, offset, new, *, implementation: str | None = Non
 
 
 __all__ = [
+  "AttentionInputs",
   "IMPLEMENTATIONS",
   "WRITE_IMPLEMENTATIONS",
   "lowering_platform",

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from ..attention_inputs import AttentionInputs
 from .mosaic_gpu import _interpret_params, _swizzle, plgpu
 
 BLOCK_ROWS = 64  # query rows (token x query head of one KV head) per program: one WGMMA tile
@@ -159,25 +160,12 @@ def key_block_ranges(
   return jnp.stack([b_lo, b_hi], axis=1).astype(jnp.int32)
 
 
-def packed_prefill(
-  q_NxHxD,
-  k_pool,
-  v_pool,
-  layer,
-  *,
-  pages,
-  page_seq,
-  page_start,
-  page_fill,
-  token_seq,
-  positions,
-  window=None,
-  interpret=False,
-):
+def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *, window=None,
+                   interpret=False):
   """`reference.packed_prefill` as a kernel: ``[N, H, hd]`` in q's dtype. ``k_pool, v_pool``
-  ``[L, num_pages, page_size, KV, hd]`` (bf16 or f16); the page list ``pages, page_seq,
-  page_start, page_fill [U]`` and the tokens' ``token_seq, positions [N]`` as the scheduler
-  builds them. Raises NotImplementedError with `shapes_supported`'s reason for shapes the
+  ``[L, num_pages, page_size, KV, hd]`` (bf16 or f16); of ``inputs`` it reads the page list
+  (``pages, page_seq, page_start, page_fill [U]``) and the tokens' ``token_seq, positions [N]``
+  as the scheduler builds them (not ``blocks``: `key_block_ranges` bounds each row block). Raises NotImplementedError with `shapes_supported`'s reason for shapes the
   kernel does not take."""
   n, h, d = q_NxHxD.shape
   _, _, ps, kv, _ = k_pool.shape
@@ -195,8 +183,9 @@ def packed_prefill(
     return jnp.zeros(q_NxHxD.shape, q_NxHxD.dtype)
   window = jnp.int32(_NO_WINDOW) if window is None else jnp.asarray(window, jnp.int32)
   return _prefill_jit(
-    q_NxHxD, k_pool, v_pool, jnp.asarray(layer, jnp.int32), pages, page_seq, page_start,
-    page_fill, token_seq, positions, window, interpret=_interpret_params(interpret),
+    q_NxHxD, k_pool, v_pool, jnp.asarray(layer, jnp.int32), inputs.pages, inputs.page_seq,
+    inputs.page_start, inputs.page_fill, inputs.token_seq, inputs.positions, window,
+    interpret=_interpret_params(interpret),
   )
 
 

@@ -3,8 +3,9 @@ reference for a GPU kernel.
 
 One step's queries are a flat, ragged token batch ``q [N, H, hd]``: first the decode tokens
 (one per sequence), then prompt chunks (several tokens per sequence, several sequences packed).
-The two kinds are attended to in two length-bounded passes, and each token takes the pass it
-belongs to:
+Where their keys are is one pytree, `pallas_kernels.attention_inputs.AttentionInputs` (its
+fields named below). The two kinds are attended to in two length-bounded passes, and each token
+takes the pass it belongs to:
 
 * **decode lanes**: the first ``R`` tokens are lanes; lane ``r`` reads its own sequence's page
   table ``lane_pages [R, P]`` up to ``lane_len[r]`` keys (0: the token is not a decode token).
@@ -33,6 +34,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from ..attention_inputs import AttentionInputs, register_pytree
+
+register_pytree()
 
 _BIG = 1 << 30  # "no window"
 
@@ -94,33 +99,19 @@ def decode_lanes(
   return dec.reshape(r, h, d)
 
 
-def packed_prefill(
-  q_NxHxD,
-  k_pool,
-  v_pool,
-  layer,
-  *,
-  pages,
-  page_seq,
-  page_start,
-  page_fill,
-  token_seq,
-  positions,
-  blocks,
-  block_pages: int,
-  window=None,
-  gather=None,
-):
+def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *, window=None,
+                   gather=None):
   """The packed-prefill pass alone: ``[N, H, hd]``, every token against the step's prompt pages
-  of its own sequence (``token_seq``) up to its position; zeros for a token with no key. Only
-  ``blocks[1]`` is read. ``gather(pool, layer, pages)``: how pages are read, ``pool[layer,
-  pages]`` by default (`cpu.gather` for bf16 pools on CPU, where XLA would convert the whole
-  pool to f32 first)."""
+  of its own sequence (``inputs.token_seq``) up to its position; zeros for a token with no key.
+  Only ``inputs.blocks[1]`` is read. ``gather(pool, layer, pages)``: how pages are read,
+  ``pool[layer, pages]`` by default (`cpu.gather` for bf16 pools on CPU, where XLA would
+  convert the whole pool to f32 first)."""
   take = gather or (lambda pool, layer, pg: pool[layer, pg])
   n, h, d = q_NxHxD.shape
   _, _, ps, kv, _ = k_pool.shape
   g = h // kv
-  bp = int(block_pages)
+  t = inputs
+  bp = int(t.block_pages)
   bk = bp * ps
   window = _BIG if window is None else window
   q = q_NxHxD.reshape(n, kv, g, d)
@@ -128,7 +119,7 @@ def packed_prefill(
 
   def packed_block(j, carry):
     sl = lambda a: jax.lax.dynamic_slice_in_dim(a, j * bp, bp)  # noqa: E731
-    pg, seq, start, fill = sl(pages), sl(page_seq), sl(page_start), sl(page_fill)
+    pg, seq, start, fill = sl(t.pages), sl(t.page_seq), sl(t.page_start), sl(t.page_fill)
     k = take(k_pool, layer, pg).reshape(bk, kv, d)
     v = take(v_pool, layer, pg).reshape(bk, kv, d)
     s = jnp.einsum("nkgd,skd->nkgs", q, k, preferred_element_type=jnp.float32) * scale
@@ -137,16 +128,16 @@ def packed_prefill(
     kvalid = (within[None] < fill[:, None]).reshape(bk)
     kseq = jnp.repeat(seq, ps)
     valid = (
-      (token_seq[:, None] == kseq[None])
+      (t.token_seq[:, None] == kseq[None])
       & kvalid[None]
-      & (kpos[None] <= positions[:, None])
-      & (kpos[None] > positions[:, None] - window)
+      & (kpos[None] <= t.positions[:, None])
+      & (kpos[None] > t.positions[:, None] - window)
     )
     # one P·V for every packed query: rows no query may read (stale, or non-finite) become 0
     v = jnp.where(kvalid[:, None, None] & jnp.isfinite(v), v, jnp.zeros((), v.dtype))
     return _update(carry, s, valid[:, None, None], v, "nkgs,skd->nkgd")
 
-  pre = _finish(jax.lax.fori_loop(0, blocks[1], packed_block, _init(n, kv, g, d)), q_NxHxD.dtype)
+  pre = _finish(jax.lax.fori_loop(0, t.blocks[1], packed_block, _init(n, kv, g, d)), q_NxHxD.dtype)
   return pre.reshape(n, h, d)
 
 
@@ -158,53 +149,17 @@ def merge(decode_RxHxD, prefill_NxHxD, lane_len):
   return prefill_NxHxD.at[:r].set(jnp.where(is_lane, decode_RxHxD, prefill_NxHxD[:r]))
 
 
-def ragged_paged_attention(
-  q_NxHxD,
-  k_pool,
-  v_pool,
-  layer,
-  *,
-  lane_pages,
-  lane_len,
-  pages,
-  page_seq,
-  page_start,
-  page_fill,
-  token_seq,
-  positions,
-  blocks,
-  block_pages: int,
-  window=None,
-):
+def ragged_paged_attention(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *,
+                           window=None):
   """Softmax attention of ``q`` (``[N, H, hd]``) over layer ``layer`` (an int, possibly traced)
   of ``k_pool, v_pool`` (``[L, num_pages, page_size, KV, hd]``; pages are gathered straight from
-  the pool, never a layer's slice first); see the module docstring. Scores and softmax in f32.
-  Returns ``[N, H, hd]`` in q's dtype; a token with no key (padding) gets zeros. The two passes
-  are `decode_lanes` and `packed_prefill`, put together by `merge`."""
-  dec = decode_lanes(
-    q_NxHxD,
-    k_pool,
-    v_pool,
-    layer,
-    lane_pages=lane_pages,
-    lane_len=lane_len,
-    blocks=blocks,
-    block_pages=block_pages,
-    window=window,
-  )
-  pre = packed_prefill(
-    q_NxHxD,
-    k_pool,
-    v_pool,
-    layer,
-    pages=pages,
-    page_seq=page_seq,
-    page_start=page_start,
-    page_fill=page_fill,
-    token_seq=token_seq,
-    positions=positions,
-    blocks=blocks,
-    block_pages=block_pages,
-    window=window,
-  )
-  return merge(dec, pre, lane_len)
+  the pool, never a layer's slice first), the batch described by ``inputs``; see the module
+  docstring. Scores and softmax in f32. Returns ``[N, H, hd]`` in q's dtype; a token with no key
+  (padding) gets zeros. The two passes are `decode_lanes` and `packed_prefill`, put together by
+  `merge`."""
+  t = inputs
+  dec = decode_lanes(q_NxHxD, k_pool, v_pool, layer, lane_pages=t.lane_pages,
+                     lane_len=t.lane_len, blocks=t.blocks, block_pages=t.block_pages,
+                     window=window)
+  pre = packed_prefill(q_NxHxD, k_pool, v_pool, layer, t, window=window)
+  return merge(dec, pre, t.lane_len)

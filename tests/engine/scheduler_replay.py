@@ -77,33 +77,34 @@ class ReplayRunner:
     self.copies += len(src)
 
   def run(self, b, base_only: bool):
-    n = b.tokens.shape[0]
+    n, a = b.tokens.shape[0], b.attention
     shapes = self.sched[0].shapes
     assert n in shapes.buckets(), f"{n} tokens is not a bucket of {shapes.buckets()}"
-    assert b.lane_pages.shape == (shapes.lanes(n), shapes.lane_width)
+    assert a.lane_pages.shape == (shapes.lanes(n), shapes.lane_width)
+    assert a.block_pages == shapes.block_pages
     assert base_only == (self.sched[0].model.config.num_slots == 1)  # one form per engine
     live = b.write_page > 0
     assert not np.any(b.write_page[~live]), "padding must write to the reserved page 0"
     self.kv[b.write_page[live], b.write_offset[live]] = b.tokens[live]
     bk = shapes.block_pages * self.ps
-    assert int(b.blocks[0]) * bk >= int(b.lane_len.max(initial=0)), "decode loop too short"
+    assert int(a.blocks[0]) * bk >= int(a.lane_len.max(initial=0)), "decode loop too short"
     contexts = {}
-    for r in np.nonzero(b.lane_len > 0)[0]:
-      length = int(b.lane_len[r])
-      pages = b.lane_pages[r, : -(-length // self.ps)]
+    for r in np.nonzero(a.lane_len > 0)[0]:
+      length = int(a.lane_len[r])
+      pages = a.lane_pages[r, : -(-length // self.ps)]
       contexts[int(r)] = self.kv[pages].reshape(-1)[:length]
-      assert b.positions[r] == length - 1
-    u = int(b.blocks[1]) * shapes.block_pages
-    assert np.all(b.page_seq[u:] == -2), "prompt pages beyond the prefill loop's bound"
-    for i in np.nonzero(b.token_seq >= 0)[0]:
-      mine = b.page_seq == b.token_seq[i]
+      assert a.positions[r] == length - 1
+    u = int(a.blocks[1]) * shapes.block_pages
+    assert np.all(a.page_seq[u:] == -2), "prompt pages beyond the prefill loop's bound"
+    for i in np.nonzero(a.token_seq >= 0)[0]:
+      mine = a.page_seq == a.token_seq[i]
       keys = []
-      for pg, start, fill in zip(b.pages[mine], b.page_start[mine], b.page_fill[mine]):
+      for pg, start, fill in zip(a.pages[mine], a.page_start[mine], a.page_fill[mine]):
         for off in range(int(fill)):
-          if start + off <= b.positions[i]:
+          if start + off <= a.positions[i]:
             keys.append((int(start + off), int(self.kv[pg, off])))
       keys.sort()
-      assert [p for p, _ in keys] == list(range(int(b.positions[i]) + 1)), "missing keys"
+      assert [p for p, _ in keys] == list(range(int(a.positions[i]) + 1)), "missing keys"
       contexts[int(i)] = np.asarray([t for _, t in keys])
     # the outputs: each output row's token drawn from its token's context
     r_out = b.out_index.shape[0]

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import ragged_paged_attention
+from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention
 
 PS, KV, G, D, L = 4, 2, 3, 8, 2  # page size, kv heads, heads per kv head, head dim, layers
 
@@ -74,11 +74,12 @@ def test_decode_lanes_and_packed_prompts_match_per_sequence_attention(window, bl
   q = rng.standard_normal((n_tok, KV * G, D)).astype(np.float32)
   for layer in range(L):
     out = np.asarray(ragged_paged_attention(
-      jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), layer,
-      lane_pages=jnp.asarray(lane_pages), lane_len=jnp.asarray(lane_len), pages=jnp.asarray(pages),
-      page_seq=jnp.asarray(page_seq), page_start=jnp.asarray(page_start),
-      page_fill=jnp.asarray(page_fill), token_seq=jnp.asarray(token_seq),
-      positions=jnp.asarray(positions), blocks=jnp.asarray(blocks), block_pages=block_pages,
+      jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), layer, AttentionInputs(
+        lane_pages=jnp.asarray(lane_pages), lane_len=jnp.asarray(lane_len),
+        pages=jnp.asarray(pages), page_seq=jnp.asarray(page_seq),
+        page_start=jnp.asarray(page_start), page_fill=jnp.asarray(page_fill),
+        token_seq=jnp.asarray(token_seq), positions=jnp.asarray(positions),
+        blocks=jnp.asarray(blocks), block_pages=block_pages),
       window=window))
     for t in range(n_tok):
       i = t if t < len(decode) else owners.get(t)
@@ -163,9 +164,10 @@ def test_stale_rows_and_other_sequences_values_never_reach_a_query(implementatio
       pool[:, stale_idx[0], stale_idx[1]] = fill
       pool[:, hostile] = fill
     args = {name: jnp.asarray(a) for name, a in kw.items() if name != "block_pages"}
+    inputs = AttentionInputs(**args, block_pages=kw["block_pages"])
     return np.asarray(ragged_paged_attention(
-      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 1, block_pages=kw["block_pages"],
-      window=window, implementation=implementation, **args)), k, v
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), 1, inputs, window=window,
+      implementation=implementation)), k, v
 
   clean, k_clean, v_clean = run(0.0)
   poisoned, _, _ = run(poison)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import api, cpu, lowering_platform, reference
+from pallas_kernels.paged_attention import AttentionInputs, api, cpu, lowering_platform, reference
 
 pytestmark = pytest.mark.skipif(cpu.build_reason() is not None, reason=str(cpu.build_reason()))
 
@@ -146,7 +146,7 @@ def _api_args(with_prompt=True):
   q, k, v, pages, lens = _setup(3, 64, shared=False)
   r, n = len(LENS), q.shape[0]  # 3 prompt tokens after the lanes
   prompt_pages = jnp.asarray([int(pages[0, 0]), int(pages[0, 1])], jnp.int32)  # lane 0 is empty
-  tables = dict(
+  tables = AttentionInputs(
     lane_pages=pages,
     lane_len=lens,
     pages=prompt_pages,
@@ -163,15 +163,15 @@ def _api_args(with_prompt=True):
 
 def test_api_cpu_equals_reference_with_prompt_tokens_merged():
   args, tables = _api_args()
-  got = np.asarray(api.ragged_paged_attention(*args, implementation="cpu", **tables))
-  want = np.asarray(api.ragged_paged_attention(*args, implementation="reference", **tables))
+  got = np.asarray(api.ragged_paged_attention(*args, tables, implementation="cpu"))
+  want = np.asarray(api.ragged_paged_attention(*args, tables, implementation="reference"))
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
   assert np.abs(got[len(LENS) :]).max() > 0  # the prompt tokens took the packed-prefill pass
 
 
 def _hlo(platform=None):
   args, tables = _api_args()
-  f = jax.jit(lambda q, k, v: api.ragged_paged_attention(q, k, v, 1, **tables))
+  f = jax.jit(lambda q, k, v: api.ragged_paged_attention(q, k, v, 1, tables))
   if platform is None:
     return f.trace(*args[:3]).lower().as_text()
   with lowering_platform(platform):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import (
+  AttentionInputs,
   lowering_platform,
   mosaic_gpu,
   mosaic_gpu_prefill,
@@ -241,15 +242,15 @@ def _mixed_batch(seed, *, ps, dtype, kv=2, g=3, d=64, num_pages=40, layers=2):
     blocks=blocks,
   )
   kw = {name: jnp.asarray(a) for name, a in arrays.items()}
-  return q, k_pool, v_pool, dict(kw, block_pages=bp)
+  return q, k_pool, v_pool, AttentionInputs(**kw, block_pages=bp)
 
 
 @pytest.mark.slow
 def test_api_kernel_path_equals_the_reference_on_a_mixed_batch():
   q, k, v, kw = _mixed_batch(3, ps=16, dtype=jnp.float32)
-  want = reference.ragged_paged_attention(q, k, v, 1, window=6, **kw)
+  want = reference.ragged_paged_attention(q, k, v, 1, kw, window=6)
   got = ragged_paged_attention(
-    q, k, v, 1, window=6, implementation="mosaic_gpu", interpret=True, **kw
+    q, k, v, 1, kw, window=6, implementation="mosaic_gpu", interpret=True
   )
   np.testing.assert_allclose(got[:2], want[:2], rtol=2e-5, atol=2e-5)  # the decode lanes
   np.testing.assert_array_equal(got[2:], want[2:])  # prompt tokens: the reference's own pass
@@ -258,7 +259,7 @@ def test_api_kernel_path_equals_the_reference_on_a_mixed_batch():
 def test_dispatch_by_platform():
   q, k, v, kw = _mixed_batch(4, ps=16, dtype=jnp.float32)
   assert jax.default_backend() == "cpu" and target_platform() == "cpu" and override() is None
-  program = lambda fn: str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, 0, **kw))(q, k, v))  # noqa: E731
+  program = lambda fn: str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, 0, kw))(q, k, v))  # noqa: E731
   # on the CPU the default is the CPU kernel where it builds (test_paged_attention_cpu.py),
   # else the reference: never the Mosaic GPU path
   cpu_name = "cpu" if unavailable_reason(q, k, implementation="cpu") is None else "reference"
@@ -266,12 +267,12 @@ def test_dispatch_by_platform():
   assert program(ragged_paged_attention) == program(on_cpu)
   assert "mosaic" not in program(ragged_paged_attention)
   with pytest.raises(RuntimeError, match="needs CUDA"):
-    ragged_paged_attention(q, k, v, 0, implementation="mosaic_gpu", **kw)
+    ragged_paged_attention(q, k, v, 0, kw, implementation="mosaic_gpu")
   with pytest.raises(ValueError, match="unknown implementation"):
-    ragged_paged_attention(q, k, v, 0, implementation="triton", **kw)
+    ragged_paged_attention(q, k, v, 0, kw, implementation="triton")
 
   def lowered(q, k, **extra):
-    f = lambda q, k: ragged_paged_attention(q, k, k, jnp.int32(0), **kw, **extra)  # noqa: E731
+    f = lambda q, k: ragged_paged_attention(q, k, k, jnp.int32(0), kw, **extra)  # noqa: E731
     return jax.jit(f).trace(q, k).lower(lowering_platforms=("cuda",)).as_text()
 
   assert CUSTOM_CALL not in lowered(q, k)  # CPU process: the reference
@@ -314,7 +315,8 @@ def _abstract_call(*, n, r, p, num_pages, layers, kv, h, d, ps, dtype):
   args = (sds((n, h, d), dtype), pool, pool, sds((), i32), sds((), i32), arrays)
 
   def f(q, k_pool, v_pool, layer, window, arrays):
-    return ragged_paged_attention(q, k_pool, v_pool, layer, window=window, block_pages=8, **arrays)
+    return ragged_paged_attention(q, k_pool, v_pool, layer, AttentionInputs(**arrays, block_pages=8),
+                                  window=window)
 
   return f, args
 

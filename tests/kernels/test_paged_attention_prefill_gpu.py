@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import mosaic_gpu_prefill as mp
-from pallas_kernels.paged_attention import ragged_paged_attention, reference
+from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention, reference
 from pallas_kernels.paged_attention.api import prefill_unavailable_reason
 from pallas_kernels.platform import lowering_platform
 
@@ -74,6 +74,16 @@ def _batch(rng, *, prefill, decode=(), n_tok, u, num_pages, kv, g, d, dtype, hos
           {k: jnp.asarray(v) for k, v in kw.items()}, owner, pages_of)
 
 
+def _prompt_inputs(kw, u, **lanes):
+  """`AttentionInputs` of `_batch`'s prompt chunks: no decode lane unless ``lanes`` gives them,
+  the page list walked in ``u`` blocks of one page (the reference's loop bound; the kernel
+  bounds its own)."""
+  lanes = lanes or dict(lane_pages=jnp.zeros((0, 1), jnp.int32),
+                        lane_len=jnp.zeros((0,), jnp.int32),
+                        blocks=jnp.asarray([0, u], jnp.int32), block_pages=1)
+  return AttentionInputs(**kw, **lanes)
+
+
 def _exact(q, k_pool, v_pool, layer, t, pages, pos, window, kv, g):
   """float64 attention of token ``t``'s query at ``pos`` over its sequence's keys 0..pos."""
   qf = np.asarray(q, np.float64)[t].reshape(kv, g, -1)
@@ -114,11 +124,11 @@ def test_prefill_kernel_matches_float64_attention_and_the_reference(case, dtype,
     rng, prefill=c["prefill"], decode=c["decode"], n_tok=c["n_tok"], u=c["u"], num_pages=40,
     kv=c["kv"], g=c["g"], d=c["d"], dtype=dtype)
   layer = 1
+  inputs = _prompt_inputs(kw, c["u"])
   out = _f32(mp.packed_prefill(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), layer,
-                               window=window, interpret=True, **kw))
+                               inputs, window=window, interpret=True))
   ref = _f32(reference.packed_prefill(
-    jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), layer, window=window,
-    blocks=jnp.asarray([0, c["u"]]), block_pages=1, **kw))
+    jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), layer, inputs, window=window))
   assert np.isfinite(out).all()
   # both round P to the pool dtype and the result to q's: they differ by rounding alone
   ulp = float(jnp.finfo(dtype).eps)
@@ -149,7 +159,7 @@ def test_nan_in_stale_rows_and_in_another_sequence_never_reaches_a_query():
     k_pool[:, p, 2::5] = np.nan
   k_pool, v_pool = k_pool.astype(jnp.bfloat16), v_pool.astype(jnp.bfloat16)
   out = _f32(mp.packed_prefill(jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), 0,
-                               interpret=True, **kw))
+                               _prompt_inputs(kw, 12), interpret=True))
   ulp = float(jnp.finfo(jnp.bfloat16).eps)
   for t in range(48):
     i = owner[t]
@@ -212,16 +222,17 @@ def _api_case(rng, dtype):
     lane_pages[i, : len(pages_of[i])] = pages_of[i]
     lane_len[i] = n
   blocks = jnp.asarray([-(-max(decode) // (2 * PS)), -(-16 // 2)], jnp.int32)
-  return q, k_pool, v_pool, dict(kw, lane_pages=jnp.asarray(lane_pages),
-                                 lane_len=jnp.asarray(lane_len), blocks=blocks, block_pages=2)
+  return q, k_pool, v_pool, _prompt_inputs(kw, 16, lane_pages=jnp.asarray(lane_pages),
+                                            lane_len=jnp.asarray(lane_len), blocks=blocks,
+                                            block_pages=2)
 
 
 @pytest.mark.slow
 def test_api_runs_prompt_chunks_through_the_prefill_kernel_and_lanes_through_decode():
   q, k_pool, v_pool, kw = _api_case(np.random.default_rng(3), jnp.bfloat16)
   args = (jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), 1)
-  got = _f32(ragged_paged_attention(*args, implementation="mosaic_gpu", interpret=True, **kw))
-  ref = _f32(ragged_paged_attention(*args, implementation="reference", **kw))
+  got = _f32(ragged_paged_attention(*args, kw, implementation="mosaic_gpu", interpret=True))
+  ref = _f32(ragged_paged_attention(*args, kw, implementation="reference"))
   assert np.isfinite(got).all()
   np.testing.assert_allclose(got, ref, rtol=0, atol=4 * float(jnp.finfo(jnp.bfloat16).eps))
   assert prefill_unavailable_reason(q, k_pool) is None
@@ -234,14 +245,13 @@ def test_api_runs_prompt_chunks_through_the_prefill_kernel_and_lanes_through_dec
 def test_cuda_lowering_has_the_prefill_kernel_for_bf16_pools(pool_dtype, prefill_kernel):
   q, k_pool, v_pool, kw = _api_case(np.random.default_rng(4), pool_dtype)
   spec = lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.asarray(a).dtype)  # noqa: E731
-  static = {"block_pages": kw.pop("block_pages")}
 
-  def step(q, k_pool, v_pool, kw):
-    return ragged_paged_attention(q, k_pool, v_pool, 0, **kw, **static)
+  def step(q, k_pool, v_pool, inputs):
+    return ragged_paged_attention(q, k_pool, v_pool, 0, inputs)
 
   with lowering_platform("cuda"):
     text = jax.jit(step).trace(spec(q), spec(k_pool), spec(v_pool),
-                               {k: spec(v) for k, v in kw.items()}).lower(
+                               jax.tree.map(spec, kw)).lower(
       lowering_platforms=("cuda",)).as_text()
   calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
   assert calls.count("mosaic_gpu_v2") == (2 if prefill_kernel else 1), calls

@@ -19,7 +19,8 @@ def _sds(mesh, shape, dtype, spec=P()):
 def paged_attention() -> dict:
   """The ragged paged attention (decode + prefill) per KV head shard: the Mosaic GPU calls, and
   whether each reads one KV head's pool shard."""
-  from pallas_kernels.paged_attention import lowering_platform, ragged_paged_attention
+  from pallas_kernels.paged_attention import (AttentionInputs, lowering_platform,
+                                              ragged_paged_attention)
 
   assert len(jax.devices()) == 8, jax.devices()
   mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
@@ -35,8 +36,8 @@ def paged_attention() -> dict:
            "token_seq", "positions", "blocks"]
 
   def attend(q, k, v, layer, *rest):
-    return ragged_paged_attention(q, k, v, layer, block_pages=8, window=None,
-                                  **dict(zip(names, rest)))
+    inputs = AttentionInputs(**dict(zip(names, rest)), block_pages=8)
+    return ragged_paged_attention(q, k, v, layer, inputs, window=None)
 
   f = jax.shard_map(attend, mesh=mesh, in_specs=(heads, kv_heads, kv_heads) + (P(),) * 10,
                     out_specs=heads, check_vma=False)

@@ -83,26 +83,45 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
 
   rng = np.random.default_rng(0)
   empty = _shapes().empty(8)  # a ragged batch of 8 tokens, 4 lanes and outputs
-  fields = {}
-  for f in dataclasses.fields(empty):
-    a = getattr(empty, f.name)
-    if a is None:
-      continue
-    fields[f.name] = (rng.random(a.shape) < 0.5 if a.dtype == bool else
-                      rng.integers(0, 99, a.shape).astype(a.dtype))
+  def arrays(obj):  # every array of a batch, by dotted name
+    out = {}
+    for f in dataclasses.fields(obj):
+      a = getattr(obj, f.name)
+      if dataclasses.is_dataclass(a):
+        out.update({f"{f.name}.{k}": v for k, v in arrays(a).items()})
+      elif isinstance(a, np.ndarray):
+        out[f.name] = a
+    return out
+
+  def randomized(obj):
+    new = {}
+    for f in dataclasses.fields(obj):
+      a = getattr(obj, f.name)
+      if dataclasses.is_dataclass(a):
+        new[f.name] = randomized(a)
+      elif isinstance(a, np.ndarray):
+        new[f.name] = (rng.random(a.shape) < 0.5 if a.dtype == bool else
+                       rng.integers(0, 99, a.shape).astype(a.dtype))
+    return dataclasses.replace(obj, **new)
+
+  random = randomized(empty)
+  assert len(arrays(random)) == 22 and "attention.lane_pages" in arrays(random)
   for controls in (None, LogitControls.neutral(4, 100, 16)):
-    batch = dataclasses.replace(empty, **fields, controls=controls)
+    batch = dataclasses.replace(random, controls=controls)
     data = step_plan.encode("run", step_plan.batch_fields(batch, True))
     op, got = step_plan.decode(data)
     back, base_only = step_plan.batch_of(got)
     assert op == "run" and base_only is True
-    for name in fields:
-      a, b = getattr(back, name), getattr(batch, name)
+    assert back.attention.block_pages == batch.attention.block_pages
+    want, have = arrays(batch), arrays(back)
+    assert want.keys() == have.keys()
+    for name, b in want.items():
+      a = have[name]
       assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
     if controls is None:
       assert back.controls is None
-      raw = sum(v.nbytes for v in fields.values())
-      assert len(data) < raw + 40 * len(fields)  # no padding, a few bytes of header per field
+      raw = sum(v.nbytes for v in want.values())
+      assert len(data) < raw + 40 * len(want)  # no padding, a few bytes of header per field
     else:
       assert all(np.array_equal(getattr(back.controls, k), getattr(controls, k))
                  for k in ("mask", "history", "repetition"))
@@ -115,10 +134,9 @@ def test_plans_round_trip_as_compact_bytes_and_malformed_ones_are_named():
   data = step_plan.encode("run", step_plan.batch_fields(big, False))
   back, _ = step_plan.batch_of(step_plan.decode(data)[1])
   raw = 0
-  for f in dataclasses.fields(big):
-    if getattr(big, f.name) is not None:
-      assert np.array_equal(getattr(back, f.name), getattr(big, f.name)), f.name
-      raw += getattr(big, f.name).nbytes
+  for name, a in arrays(big).items():
+    assert np.array_equal(arrays(back)[name], a), name
+    raw += a.nbytes
   assert raw > 80_000 and len(data) < 1_500
   op, got = step_plan.decode(step_plan.encode("load", {"slot": 3, "path": "/d/v0", "adapter": 0,
                                                        "x": None}))

@@ -6,8 +6,8 @@
 
 A plan is an operation name and named fields, each None, an int, a str or a numpy array (its
 dtype, shape and raw bytes; no padding to a fixed size, no JSON). `PagedBatch` travels as its
-fields; its ``controls`` as ``controls.<field>``, or not at all when the batch uses the
-runner's neutral controls. Layout (little-endian)::
+fields; its ``attention`` as ``attention.<field>``, its ``controls`` as ``controls.<field>``, or
+not at all when the batch uses the runner's neutral controls. Layout (little-endian)::
 
     b"BDP1" | u8 len(op) | op | u16 entries | entries
     entry: u8 len(name) | name | u8 kind | payload
@@ -151,28 +151,41 @@ def _name(s: str) -> bytes:
 
 # -- the paged engine's batches -------------------------------------------------------------------
 def batch_fields(batch, base_only: bool) -> dict[str, object]:
-  """A `PagedBatch` of host arrays (controls None or host arrays) as plan fields."""
+  """A `PagedBatch` of host arrays (controls None or host arrays) as plan fields: its arrays by
+  name, its `AttentionInputs` and controls as ``attention.<field>`` and ``controls.<field>``."""
   out: dict[str, object] = {"base_only": int(bool(base_only))}
   for f in dataclasses.fields(batch):
     v = getattr(batch, f.name)
-    if f.name == "controls":
+    if f.name in _NESTED:
       if v is not None:
-        out.update({f"controls.{c.name}": np.asarray(getattr(v, c.name))
+        out.update({f"{f.name}.{c.name}": _field(getattr(v, c.name))
                     for c in dataclasses.fields(v)})
     else:
       out[f.name] = np.asarray(v)
   return out
 
 
+_NESTED = ("attention", "controls")
+
+
+def _field(v):
+  return v if isinstance(v, int) else np.asarray(v)
+
+
 def batch_of(fields: Mapping[str, object]):
   """(`PagedBatch`, base_only) from `batch_fields`' output."""
   from bitdelta_jax.engine.batch import PagedBatch
   from bitdelta_jax.engine.controls import LogitControls
+  from pallas_kernels.attention_inputs import AttentionInputs
 
-  ctl = {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith("controls.")}
-  names = [f.name for f in dataclasses.fields(PagedBatch) if f.name != "controls"]
-  missing = [n for n in names if n not in fields]
+  nested = {p: {k.split(".", 1)[1]: v for k, v in fields.items() if k.startswith(p + ".")}
+            for p in _NESTED}
+  names = [f.name for f in dataclasses.fields(PagedBatch) if f.name not in _NESTED]
+  missing = [n for n in names if n not in fields] + [
+    f"attention.{f.name}" for f in dataclasses.fields(AttentionInputs)
+    if f.name not in nested["attention"]]
   if missing:
     raise PlanError(f"run plan without {', '.join(missing)}")
-  controls = LogitControls(**ctl) if ctl else None
-  return PagedBatch(**{n: fields[n] for n in names}, controls=controls), bool(fields["base_only"])
+  controls = LogitControls(**nested["controls"]) if nested["controls"] else None
+  return PagedBatch(**{n: fields[n] for n in names}, attention=AttentionInputs(
+    **nested["attention"]), controls=controls), bool(fields["base_only"])
