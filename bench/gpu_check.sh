@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The prepared GPU check (see bench/gpu_check.py's docstring for what it does).
+# The prepared GPU check (see bench/gpu/gpu_check.py's docstring for what it does).
 #
 #   bash bench/gpu_check.sh --out "$OUT"                # on the GPU machine (< 8 minutes)
 #   bash bench/gpu_check.sh --dry-run --out /tmp/gpu_dry  # here, on CPU (interpret mode)
 #
 # When .whl/ holds wheels (bench/gpu_wheels.sh) and python3 is 3.12 (what they are built for),
 # they are installed offline into /tmp/site first; jax/flax/... always come from the image.
-# Every argument is passed on to bench/gpu_check.py. Environment: GPU_CHECK_TIMEOUT (seconds
+# Every argument is passed on to bench/gpu/gpu_check.py. Environment: GPU_CHECK_TIMEOUT (seconds
 # for gpu_check.py, default 405 on GPU, 1800 dry), NO_WHEELS=1 (skip the wheel install).
-# Then the quantized-base stage, bench/gpu_quant.py (its own budget: GPU_QUANT_TIMEOUT, default
+# Then the quantized-base stage, bench/gpu/gpu_quant.py (its own budget: GPU_QUANT_TIMEOUT, default
 # 90 on GPU, 900 dry; QUANT=0 skips it): the Mosaic GPU kernels over ggml blocks, numerics and
 # speed vs the dequantized bf16 GEMM, into kernel_gpu.json ("quant") and one summary.txt line.
 # Output (8 files): $OUT/{env.json,kernel_gpu.json,attention_gpu.json,serve_gpu.json,
@@ -75,7 +75,7 @@ sys.exit(1 if bad else 0)
 PY
 
 LIMIT=${GPU_CHECK_TIMEOUT:-$([ $DRY = 1 ] && echo 1800 || echo 405)}
-timeout -k 15 "$LIMIT" python3 bench/gpu_check.py "$@"
+timeout -k 15 "$LIMIT" python3 -m bench.gpu.gpu_check "$@"
 rc=$?
 if [ $rc = 124 ] || [ $rc = 137 ]; then
   echo "!!! gpu_check.py was stopped by the ${LIMIT}s timeout: the summary below has the stages that finished"
@@ -83,8 +83,8 @@ if [ $rc = 124 ] || [ $rc = 137 ]; then
 fi
 if [ "${QUANT:-1}" != 0 ]; then
   QLIMIT=${GPU_QUANT_TIMEOUT:-$([ $DRY = 1 ] && echo 900 || echo 90)}
-  echo "== stage quant_gpu: bench/gpu_quant.py (${QLIMIT}s)"
-  timeout -k 10 "$QLIMIT" python3 bench/gpu_quant.py "$@"
+  echo "== stage quant_gpu: bench/gpu/gpu_quant.py (${QLIMIT}s)"
+  timeout -k 10 "$QLIMIT" python3 -m bench.gpu.gpu_quant "$@"
   qrc=$?
   if [ $qrc != 0 ]; then
     echo "!!! STAGE quant_gpu FAILED (exit $qrc$([ $qrc = 124 ] && echo ", the ${QLIMIT}s timeout"))"

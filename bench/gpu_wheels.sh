@@ -28,7 +28,7 @@ PKGS=(
   prometheus-client==0.26.0
   llguidance==1.9.1
   tqdm==4.70.1
-  # the bench's HTTP client (bench/serve_real_bench.start_server) and gguf's optional downloads
+  # the benches' HTTP client (bench/serving/) and gguf's optional downloads
   requests==2.34.2
   # their own dependencies
   markupsafe==3.0.3         # jinja2

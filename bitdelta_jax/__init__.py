@@ -34,7 +34,7 @@ _EXPORTS = {
   "Report": "bitdelta_jax.delta.report",
   "compress_checkpoints": "bitdelta_jax.delta.stream",
   "apply_checkpoint": "bitdelta_jax.delta.stream",
-  "fingerprint_checkpoint": "bitdelta_jax.delta.stream",
+  "fingerprint_checkpoint": "bitdelta_jax.hf.fingerprint",
   # the delta store
   "DeltaStoreError": "bitdelta_jax.delta.store",
   "load_delta": "bitdelta_jax.delta.store",

@@ -252,17 +252,24 @@ def build_parser() -> argparse.ArgumentParser:
   return p
 
 
+COMMANDS_GROUP = "bitdelta.commands"
+
+
 def _extra_commands():
-  """Subcommands contributed by other modules (merge, zoo, serve, ...), when present."""
+  """Subcommands of the library's other modules (merge, K-Merge, distill, zoo), then those that
+  installed packages contribute through the ``bitdelta.commands`` entry points (the server's
+  ``serve``, ``demo`` and ``bench``: `serving` sits above the library, so the library names
+  them only through the installed metadata, pyproject.toml)."""
+  from importlib.metadata import entry_points
+
   from bitdelta_jax.distill import add_distill_parser
   from bitdelta_jax.kmerge_cli import add_kmerge_parser
   from bitdelta_jax.merge.cli import add_merge_parser
   from bitdelta_jax.zoo.cli import add_zoo_parsers
-  from serving.bench_serve import add_bench_parser
-  from serving.cli import add_demo_parser, add_serve_parsers
 
+  plugins = sorted(entry_points(group=COMMANDS_GROUP), key=lambda ep: ep.name)
   return [add_merge_parser, add_kmerge_parser, add_distill_parser, add_zoo_parsers,
-          add_serve_parsers, add_demo_parser, add_bench_parser]
+          *(ep.load() for ep in plugins)]
 
 
 class _QuietJaxBackendWarnings(logging.Filter):

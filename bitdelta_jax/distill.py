@@ -34,6 +34,7 @@ from bitdelta_jax.delta.entries import DeltaMismatchError, LoraEntry, ResidualEn
 from bitdelta_jax.delta.format import PackedDelta
 from bitdelta_jax.delta.residual import CodedLora, lora_rank_of, recode
 from bitdelta_jax.delta.store import load_delta, update_entries
+from bitdelta_jax.hf.checkpoints import open_checkpoint
 from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.layers import SlotBank
@@ -279,7 +280,7 @@ def build_student(base_dir, ft_dir, delta: Mapping, *, dtype=jnp.float32):
   (embeddings, LM head, norms, biases; a grown vocabulary too) as in the fine-tune, or, when
   the delta stores them 1-bit, as the delta serves them (base + α·sign, α not trained)."""
   packed = {n for n, e in delta.items() if _is_linear_entry(e)}
-  with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
+  with open_checkpoint(base_dir) as base, open_checkpoint(ft_dir) as ft:
     for n in sorted(packed):
       if n not in base or n not in ft:
         raise DeltaMismatchError(f"1-bit tensor {n!r} of the delta is missing from "
@@ -340,8 +341,9 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   ``dqrelo`` / ``svd`` / ``delta-come`` delta) against its fine-tune and writes them back
   atomically, in their stored format; the manifest's ``scales`` and ``factors`` say how.
 
-  ``calibration``: a path (text / jsonl), a token array, or a list of (prompt, answer) task
-  examples (encoded in the chat format and concatenated).
+  ``calibration``: a path (text / jsonl), a token array, or a list of token arrays: task
+  examples, each already encoded in the model's chat format (the built-in family's:
+  `bitdelta_jax.zoo.data.example_ids`), concatenated.
   """
   from bitdelta_jax.hf.gguf_checkpoint import resolve_base
 
@@ -352,7 +354,7 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   if cfg.steps < 0 or cfg.seq < 1 or cfg.batch < 1 or not cfg.lr > 0:
     raise ValueError(f"distill: steps must be >= 0, seq and batch >= 1 and lr > 0; got "
                      f"steps={cfg.steps}, seq={cfg.seq}, batch={cfg.batch}, lr={cfg.lr}")
-  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+  from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
 
   delta, manifest = load_delta(
     delta_dir, base_fingerprint=fingerprint_checkpoint(base_dir, content=False))
@@ -363,9 +365,7 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   elif isinstance(calibration, np.ndarray):
     ids, source = calibration, "token array"
   else:
-    from bitdelta_jax.zoo.data import encode_example
-
-    ids = np.concatenate([encode_example(p, a)[0] for p, a in calibration])
+    ids = np.concatenate(calibration)
     source = f"{len(calibration)} task examples"
   student = build_student(base_dir, ft_dir, delta)
   teacher = from_pretrained(ft_dir, dtype=jnp.float32)

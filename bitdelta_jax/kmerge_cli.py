@@ -115,9 +115,9 @@ def add_kmerge_parser(subparsers) -> argparse.ArgumentParser:
 
 def _check_fits_base(base_dir, task: str, adapter) -> None:
   """Every adapted module is a linear weight of the base with ΔW's shape."""
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
 
-  with CheckpointReader(base_dir) as r:
+  with open_checkpoint(base_dir) as r:
     names = set(r.names())
     for module, m in sorted(adapter.modules.items()):
       name = f"{module}.weight"

@@ -105,7 +105,7 @@ class Server:
 
   # -- lifecycle -------------------------------------------------------------------------------
   async def startup(self, _app=None) -> None:
-    from bitdelta_jax.delta.stream import fingerprint_checkpoint
+    from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
     from bitdelta_jax.models.tokenizer import Tokenizer
 
     cfg, loop = self.cfg, asyncio.get_running_loop()

@@ -2,7 +2,7 @@
 
 Used by the before/after benches (merge_speed, compress_defaults, variant_step, onednn):
 `checkouts` yields {"now": this checkout, "before": a temporary git worktree of REF}, `run_cli`
-times one `bitdelta` command importing from one of them, `run_worker` runs a bench script's
+times one `bitdelta` command importing from one of them, `run_worker` runs a bench module's
 ``--worker`` mode in its own process and returns the JSON it printed.
 """
 
@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from bench.common.paths import ROOT
 
 
 @contextlib.contextmanager
@@ -56,14 +56,17 @@ def run_cli(src: pathlib.Path, argv: list[str]) -> tuple[float, float]:
   return float(wall), int(kb) / 2**20
 
 
-def run_worker(script: pathlib.Path, src: pathlib.Path, args: list[str],
+def run_worker(module: str, src: pathlib.Path, args: list[str],
                env: dict[str, str] | None = None) -> dict:
-  """Runs ``python SCRIPT --worker ARGS`` importing from ``src`` (extra ``env``) and returns
-  the JSON of its ``RESULT `` line."""
-  full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(src), **(env or {}))
-  r = subprocess.run([sys.executable, str(script), "--worker", *args], env=full_env,
+  """Runs ``python -m MODULE --worker ARGS`` (a bench of this checkout) importing the project
+  from ``src`` (extra ``env``) and returns the JSON of its ``RESULT `` line. ``src`` comes
+  first on the path, this checkout after it: the project's packages are ``src``'s, `bench` is
+  this checkout's unless ``src`` has a `bench` package of its own."""
+  full_env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{src}{os.pathsep}{ROOT}",
+                  **(env or {}))
+  r = subprocess.run([sys.executable, "-m", module, "--worker", *args], env=full_env,
                      capture_output=True, text=True, cwd=str(src))
   line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
   if r.returncode or not line:
-    raise SystemExit(f"{script.name} worker ({src}) failed:\n{r.stderr[-3000:]}")
+    raise SystemExit(f"{module} worker ({src}) failed:\n{r.stderr[-3000:]}")
   return json.loads(line[0][len("RESULT "):])

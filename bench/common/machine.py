@@ -1,5 +1,7 @@
 """A short description of the machine, saved beside every benchmark result."""
 
+from __future__ import annotations
+
 import os
 import platform
 
@@ -49,3 +51,9 @@ def describe() -> dict:
   except Exception:  # noqa: BLE001 - describing the machine must never fail a bench
     pass
   return out
+
+
+def machine_line(res: dict) -> str:
+  """"Machine: <cpu>, <n> cores, jax <version> (<backend>)." for a results table's header."""
+  m = res.get("machine") or describe()
+  return f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')} ({m.get('backend')})."

@@ -1,10 +1,10 @@
 """Compression throughput vs plain reading, and peak RSS, on a synthetic ~1.3 GB HF pair.
 
-    python bench/compress_bench.py [--layers 4] [--repeats 3]
+    python -m bench compress [--layers 4] [--repeats 3]
 
 Reading and compressing are interleaved in one run (page cache warm for both), medians and the
 ratio are reported. Peak RSS is measured in a fresh subprocess that only compresses.
-Writes bench/results/compress.json and compress.md.
+Writes bench/results/compress/compress.json and compress.md.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
+from bench.common import report
+from bench.common.machine import describe
+from bench.common.paths import ROOT, results_dir
+from bitdelta_jax.delta.compress import CompressPolicy
+from bitdelta_jax.delta.stream import compress_checkpoints
+from bitdelta_jax.hf.safetensors_io import CheckpointReader
+from bitdelta_jax.synthetic import SyntheticConfig, write_pair
 
-from bitdelta_jax.delta.compress import CompressPolicy  # noqa: E402
-from bitdelta_jax.delta.stream import compress_checkpoints  # noqa: E402
-from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
-from bitdelta_jax.synthetic import SyntheticConfig, write_pair  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_dir("compress")
 
 
 def read_all(*dirs) -> int:
@@ -111,14 +111,16 @@ def main():
       t = time.perf_counter()
       compress_checkpoints(base, ft, tmp / f"cold{i}", CompressPolicy(), progress=False)
       cold_comps.append(time.perf_counter() - t)
-    r = subprocess.run([sys.executable, __file__, "--child", str(base), str(ft), str(tmp / "d2")],
-                       capture_output=True, text=True, check=True)
+    r = subprocess.run([sys.executable, "-m", "bench.compress.compress", "--child", str(base),
+                        str(ft), str(tmp / "d2")], capture_output=True, text=True, check=True,
+                       cwd=ROOT)
     ch = json.loads(r.stdout.strip().splitlines()[-1])
     # What just importing jax and the package costs, for context.
     r0 = subprocess.run([sys.executable, "-c", "import jax.numpy as jnp, bitdelta_jax.delta.stream; "
-                         "jnp.ones(4).block_until_ready(); import sys; sys.path.insert(0, "
-                         f"{str(Path(__file__).parent)!r}); from compress_bench import peak_rss; "
-                         "print(peak_rss())"], capture_output=True, text=True, check=True)
+                         "jnp.ones(4).block_until_ready(); "
+                         "from bench.compress.compress import peak_rss; "
+                         "print(peak_rss())"], capture_output=True, text=True, check=True,
+                        cwd=ROOT)
     baseline = int(r0.stdout.strip())
     tot = m["report"]["totals"]
     read_s, comp_s = statistics.median(reads), statistics.median(comps)
@@ -140,7 +142,7 @@ def main():
                                         if cold_reads else None),
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "compress.json").write_text(json.dumps(res, indent=1))
+    report.write_json(RESULTS / "compress.json", res, indent=1)
     mb = 1 << 20
     md = [
       "# Compression throughput and memory", "",

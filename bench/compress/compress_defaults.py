@@ -1,7 +1,7 @@
 """What `bitdelta compress` writes with default flags, now and at an earlier commit, on a
 fine-tune-shaped change of the real SmolLM2-135M base.
 
-    python bench/compress_defaults_bench.py [--rounds 3] [--before REF]
+    python -m bench compress_defaults [--rounds 3] [--before REF]
 
 The "fine-tune" is the real base (`bitdelta zoo real-base`, dequantized Q4_1) plus Gaussian
 noise whose ‖Δ‖/‖W‖ per layer type is the one the shipped real fine-tune smol-math measured
@@ -11,7 +11,7 @@ trained its embeddings. It is not a trained model: the bytes and the embedding d
 only on ‖Δ‖/‖W‖ and the shapes, which it matches; fidelity is measured in fidelity_real.md.
 Each round compresses it with default flags and with ``--embeddings 1bit``, with this checkout
 and (``--before``) with REF, interleaved; wall seconds include ~4 s of start-up.
-Writes bench/results/compress_defaults.{json,md}.
+Writes bench/results/compress/compress_defaults.{json,md}.
 """
 
 from __future__ import annotations
@@ -20,16 +20,18 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import machine  # noqa: E402
-from checkouts import ROOT, checkouts, copy_side_files, run_cli  # noqa: E402
+from bench.common import (
+  machine,
+  report,
+)
+from bench.common.checkouts import ROOT, checkouts, copy_side_files, run_cli
+from bench.common.paths import results_dir
 
-OUT = ROOT / "bench" / "results"
+OUT = results_dir("compress")
 FAMILY = ROOT / "bitdelta_jax" / "zoo" / "shipped_real" / "family.json"
 
 
@@ -95,14 +97,14 @@ def main() -> None:
          "model": f"SmolLM2-135M-Instruct (dequantized Q4_1), {n_params} parameters, "
                   f"hidden {cfg.get('hidden_size')}", "bf16_bytes": bf16, "results": summary}
   OUT.mkdir(exist_ok=True)
-  (OUT / "compress_defaults.json").write_text(json.dumps(doc, indent=2))
+  report.write_json(OUT / "compress_defaults.json", doc, indent=2)
   mm = doc["machine"]
   lines = ["# `bitdelta compress` with default flags: size against the bf16 checkpoint", "",
            f"Machine: {mm['cpu']}, {mm['cores']} cores, jax {mm.get('jax')}. {doc['model']}; bf16 "
            f"checkpoint {bf16 / 1e6:.1f} MB. Fine-tune: the base plus noise at smol-math's "
            "measured ‖Δ‖/‖W‖ per layer type (every tensor changed, embeddings included; see the "
            f"script's docstring). Delta = the whole directory. Medians of {args.rounds} "
-           "interleaved rounds. Script: `bench/compress_defaults_bench.py"
+           "interleaved rounds. Script: `bench/compress/compress_defaults.py"
            + (f" --before {args.before}`." if args.before else "`."), "",
            "| flags | code | delta (MB) | × smaller than bf16 | embeddings stored | wall (s) |",
            "|---|---|---:|---:|---|---:|"]

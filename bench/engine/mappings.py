@@ -1,6 +1,6 @@
 """Memory mappings held per compiled engine program (XLA CPU backend).
 
-    python bench/mappings_bench.py [--max-seq-len 512]
+    python -m bench mappings [--max-seq-len 512]
 
 Linux limits the memory mappings of one process (``vm.max_map_count``, 65530 by default), and
 XLA's CPU backend maps each compiled program's code into mappings of its own; when a process
@@ -9,20 +9,21 @@ XLA: the test suite's crash, fixed by dropping each module's programs). A long-r
 server compiles a program per new step shape, so this measures how close it gets: the paged
 engine on the built-in nano base and one of its variants, mappings counted after start-up,
 after its warm-up, and after a sweep of prompt lengths and batch sizes reaches new shapes.
-Writes bench/results/mappings.{json,md}.
+Writes bench/results/engine/mappings.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import machine  # noqa: E402
+from bench.common import (
+  machine,
+  report,
+)
+from bench.common.paths import results_dir
 
-OUT = pathlib.Path(__file__).resolve().parent / "results"
+OUT = results_dir("engine")
 
 
 def mappings() -> int:
@@ -66,12 +67,12 @@ def main() -> None:
          "mappings_per_program": round(per, 1),
          "programs_to_the_limit": int((cap - base_maps) / per) if per > 0 else None}
   OUT.mkdir(exist_ok=True)
-  (OUT / "mappings.json").write_text(json.dumps(rep, indent=1))
+  report.write_json(OUT / "mappings.json", rep, indent=1)
   mc = rep["machine"]
   md = ["# Memory mappings per compiled engine program (XLA CPU)", "",
         f"Paged engine on the built-in nano base (+1 variant), max_seq_len {args.max_seq_len}; "
         f"`vm.max_map_count` = {rep['max_map_count']}. Machine: {mc['cpu']}, {mc['cores']} "
-        f"cores, jax {mc.get('jax')}. Script: `bench/mappings_bench.py`.", "",
+        f"cores, jax {mc.get('jax')}. Script: `bench/engine/mappings.py`.", "",
         "| stage | mappings | engine programs |", "|---|---|---|"]
   md += [f"| {s} | {m} | {c} |" for s, m, c in rows]
   md += ["", f"About {rep['mappings_per_program']} mappings per program: "

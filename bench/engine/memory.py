@@ -1,8 +1,8 @@
 """Peak RSS through a server's load and warm-up against the bytes it holds (issue 36 item 5).
 
-    python bench/memory_bench.py                          # every case, results to bench/results
-    python bench/memory_bench.py --cases 1b-bf16 --label after
-    python bench/memory_bench.py --child CASE.json        # one fresh process (what the parent runs)
+    python -m bench memory                          # every case, results to bench/results/engine
+    python -m bench memory --cases 1b-bf16 --label after
+    python -m bench memory --child CASE.json        # one fresh process (what the parent runs)
 
 Each case runs in a fresh process that starts the HTTP server in-process exactly as
 ``bitdelta serve`` does (`serving.app.start_site`: tokenizer, variant checks, base fingerprint,
@@ -24,7 +24,7 @@ HF bf16 safetensors dir (served in bf16) and as Q4_0 / Q8_0 GGUF (`bitdelta quan
 one 1-bit variant (`bitdelta compress` of a perturbed copy). The models are made once under
 ``--work`` (default ``$TMPDIR/bitdelta_memory_bench``). And a Llama-2-7B-shaped one (random
 weights) as Q4_0 / Q8_0 GGUF and as a bf16 HF dir (served in bf16, 2 device slots), each with
-one random 1-bit variant (`bench/quant_models.py`, made once under its own work dir).
+one random 1-bit variant (`bench/common/random_models.py`, made once under its own work dir).
 """
 
 from __future__ import annotations
@@ -39,10 +39,8 @@ import tempfile
 import threading
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-ONE_B = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-             num_attention_heads=32, num_key_value_heads=8)
+from bench.common import random_models, report
+from bench.common.paths import ROOT, results_dir
 
 
 # -- RSS ------------------------------------------------------------------------------------------
@@ -144,15 +142,15 @@ def child(case: dict) -> dict:
 
   import jax  # noqa: F401
 
-  import bitdelta_jax.delta.stream as stream
   import bitdelta_jax.engine.generator as generator
   import bitdelta_jax.engine.runner as runner_mod
+  import bitdelta_jax.hf.fingerprint as fingerprint
   import bitdelta_jax.models as models
   from serving.app import start_site, with_gguf_base
   from serving.config import ServerConfig
 
   rec.mark("imports")
-  _wrap(stream, "fingerprint_checkpoint", rec, "base fingerprint (serve's check)")
+  _wrap(fingerprint, "fingerprint_checkpoint", rec, "base fingerprint (serve's check)")
   _wrap(models, "from_pretrained", rec, "model loaded (weights read, on device)")
   _wrap(generator.Generator, "__init__", rec, "generator built (KV pools, runner)")
   _wrap(runner_mod.PagedRunner, "load_variant", rec, "variant loaded into a slot")
@@ -222,90 +220,30 @@ def child(case: dict) -> dict:
 
 
 # -- models ---------------------------------------------------------------------------------------
-def llama_specs(c) -> tuple[dict, dict]:
-  """``({HF name: shape}, {linear name: shape})`` of a `SyntheticConfig`'s Llama, in file order
-  (an ``lm_head.weight`` unless its embeddings are tied)."""
-  from bitdelta_jax.synthetic import linear_shapes
-
-  specs = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
-  lin = linear_shapes(c)
-  for i in range(c.num_hidden_layers):
-    p = f"model.layers.{i}."
-    specs |= {n: s for n, s in lin.items() if n.startswith(p)}
-    specs[p + "input_layernorm.weight"] = (c.hidden_size,)
-    specs[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
-  specs["model.norm.weight"] = (c.hidden_size,)
-  if not c.tie_word_embeddings:
-    specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-  return specs, lin
-
-
-def _write_random_llama(out: pathlib.Path, shape: dict, seed: int, base: pathlib.Path | None = None):
-  """An HF bf16 Llama dir with random weights, written tensor by tensor (a fine-tune: ``base``'s
-  tensors plus 3% noise on the linear layers)."""
-  import ml_dtypes
-  import numpy as np
-
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
-  from bitdelta_jax.synthetic import SyntheticConfig
-  from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
-
-  c = SyntheticConfig(**shape)
-  specs, lin = llama_specs(c)
-  specs["lm_head.weight"] = (c.vocab_size, c.hidden_size)  # always written here (untied files)
-  bf16 = np.dtype(ml_dtypes.bfloat16)
-  r = np.random.default_rng(seed)
-  src = CheckpointReader(base) if base else None
-  tmp = out.with_name(out.name + ".partial")
-  tmp.mkdir(parents=True, exist_ok=True)
-  with SafetensorsWriter(tmp / "model.safetensors", {n: (s, bf16) for n, s in specs.items()},
-                         {"format": "pt"}) as w:
-    for name, s in specs.items():
-      if src is not None:
-        v = src.read(name).astype(np.float32)
-        if name in lin:
-          v += 0.03 * np.abs(v).mean() * r.standard_normal(s, np.float32)
-      elif len(s) == 1:
-        v = np.ones(s, np.float32)
-      elif name in lin:
-        v = r.standard_normal(s, np.float32) / np.sqrt(s[1])
-      else:
-        v = 0.02 * r.standard_normal(s, np.float32)
-      w.write(name, v.astype(bf16))
-      del v
-  (tmp / "config.json").write_text(json.dumps(c.hf_config(), indent=2))
-  write_tokenizer(tmp)
-  os.rename(tmp, out)
-
-
-def _cli(*args) -> None:
-  subprocess.run([sys.executable, "-m", "bitdelta_jax.cli", *args], check=True, cwd=ROOT)
-
-
 def make_models(work: pathlib.Path) -> dict[str, pathlib.Path]:
   work.mkdir(parents=True, exist_ok=True)
   base, ft, delta = work / "llama1b-bf16", work / "llama1b-bf16-ft", work / "llama1b-delta"
   if not base.exists():
-    _write_random_llama(base, ONE_B, 0)
+    random_models.write_random_llama(base, random_models.SHAPES["1b"], 0)
   if not delta.exists():
     if not ft.exists():
-      _write_random_llama(ft, ONE_B, 1, base=base)
-    _cli("compress", "--base", str(base), "--finetuned", str(ft), "--out", str(delta))
+      random_models.write_random_llama(ft, random_models.SHAPES["1b"], 1, base=base)
+    random_models.cli("compress", "--base", str(base), "--finetuned", str(ft), "--out", str(delta))
     subprocess.run(["rm", "-rf", str(ft)], check=True)
   out = {"bf16": base, "delta": delta}
   for fmt in ("q4_0", "q8_0"):
     f = work / f"llama1b.{fmt.upper()}.gguf"
     if not f.exists():
-      _cli("quantize", "--base", str(base), "--format", fmt, "--out", str(f), "--quiet")
+      random_models.cli("quantize", "--base", str(base), "--format", fmt, "--out", str(f), "--quiet")
     out[fmt] = f
     d = work / f"llama1b-{fmt}-delta"  # a variant is made against the file's own weights
     if not d.exists():
       ftq = work / f"llama1b-{fmt}-ft"
       if not ftq.exists():
-        _write_random_llama(ftq, ONE_B, 1, base=base)
+        random_models.write_random_llama(ftq, random_models.SHAPES["1b"], 1, base=base)
       # the file's embedding differs from the bf16 one the noise was added to: 1-bit embedding
       # banks (the default would keep them exactly: dense f32 banks in every slot)
-      _cli("compress", "--base", str(f), "--finetuned", str(ftq), "--out", str(d),
+      random_models.cli("compress", "--base", str(f), "--finetuned", str(ftq), "--out", str(d),
            "--embeddings", "1bit")
       subprocess.run(["rm", "-rf", str(ftq)], check=True)
     out[f"{fmt}_delta"] = d
@@ -335,12 +273,10 @@ def cases(work: pathlib.Path) -> dict[str, callable]:
     return make
 
   def seven_b(name, fmt):
-    # bench/quant_models.py's 7B-shaped Llama (random weights) and one random 1-bit variant on
+    # bench/common/random_models.py's 7B-shaped Llama (random weights) and one random 1-bit variant on
     # every linear weight (its own work dir, shared with quant_bench)
     def make():
-      import quant_models
-
-      g, vs = quant_models.make("7b", [fmt], 1)[fmt]
+      g, vs = random_models.make("7b", [fmt], 1)[fmt]
       # serve's defaults but max_seq_len: 1 MiB of f32 KV a token, 1024 MiB hold one sequence
       return {"name": name, "base": str(g), "variants": {"v": str(vs[0])},
               "server": {"max_seq_len": 1024}}
@@ -350,12 +286,10 @@ def cases(work: pathlib.Path) -> dict[str, callable]:
     # the same shape as an HF bf16 safetensors dir, served in bf16, with one random 1-bit
     # variant; 2 device slots (4 would hold 3.9 GB of banks beside the 13.5 GB base: ~21 GB at
     # the peak on a 24 GB machine)
-    import quant_models
-
-    d = quant_models.DEFAULT_WORK / "llama7b-bf16"
+    d = random_models.DEFAULT_WORK / "llama7b-bf16"
     if not d.exists():
-      _write_random_llama(d, quant_models.SHAPES["7b"], 0)
-    v = quant_models.write_random_variant(d, quant_models.DEFAULT_WORK / "llama7b-bf16-v0", 100)
+      random_models.write_random_llama(d, random_models.SHAPES["7b"], 0)
+    v = random_models.write_random_variant(d, random_models.DEFAULT_WORK / "llama7b-bf16-v0", 100)
     return {"name": "7b-bf16", "base": str(d), "variants": {"v": str(v)},
             "server": {"dtype": "bfloat16", "device_slots": 2}}
 
@@ -363,12 +297,10 @@ def cases(work: pathlib.Path) -> dict[str, callable]:
     # 14 random variants over the 7B-shaped Q4_0 base, all requested at once: the bench's
     # "14 variants served on this machine" (quant_bench's q4_0_x14 options)
     def make():
-      import quant_models
-
-      g, vs = quant_models.make("7b", ["q4_0"], 14)["q4_0"]
+      g, vs = random_models.make("7b", ["q4_0"], 14)["q4_0"]
       return {"name": name, "base": str(g), "variants": {f"v{i}": str(d) for i, d in enumerate(vs)},
               "all_at_once": True,
-              "server": {"device_slots": slots, **quant_models.seven_b_server(len(vs))}}
+              "server": {"device_slots": slots, **random_models.seven_b_server(len(vs))}}
     return make
 
   return {"smollm2-q4_1": smollm2("smollm2-q4_1", "gguf"),
@@ -394,7 +326,8 @@ def run_case(case: dict, timeout: int = 3600) -> dict:
     spec, out = pathlib.Path(d) / "case.json", pathlib.Path(d) / "out.json"
     spec.write_text(json.dumps(case))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    subprocess.run([sys.executable, __file__, "--child", str(spec), "--child-out", str(out)],
+    subprocess.run([sys.executable, "-m", "bench.engine.memory", "--child", str(spec),
+                    "--child-out", str(out)],
                    check=True, cwd=ROOT, env=env, timeout=timeout)
     res = json.loads(out.read_text())
   res["stored_mb"] = stored_mb(case["base"])
@@ -426,14 +359,12 @@ def main(argv=None) -> int:
   p.add_argument("--label", default="after", help="the key results are stored under")
   p.add_argument("--work", default=str(pathlib.Path(tempfile.gettempdir()) /
                                        "bitdelta_memory_bench"))
-  p.add_argument("--out", default=str(ROOT / "bench" / "results" / "memory"))
+  p.add_argument("--out", default=str(results_dir("engine") / "memory"))
   args = p.parse_args(argv)
   if args.child:
     res = child(json.loads(pathlib.Path(args.child).read_text()))
     pathlib.Path(args.child_out).write_text(json.dumps(res, indent=2))
     return 0
-  sys.path.insert(0, str(ROOT))
-  sys.path.insert(0, str(ROOT / "bench"))
   want = [c for c in args.cases.split(",") if c]
   out = pathlib.Path(args.out)
   res = json.loads(out.with_suffix(".json").read_text()) if out.with_suffix(".json").exists() \
@@ -455,15 +386,15 @@ def main(argv=None) -> int:
 
 
 def write(res: dict, out: pathlib.Path) -> None:
-  from machine import describe
+  from bench.common.machine import describe
 
   res["machine"] = describe()
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(res, indent=2))
+  report.write_json(out.with_suffix(".json"), res, indent=2)
   m = res["machine"]
   lines = ["# Peak RSS through load and warm-up vs resident bytes (issue 36 item 5)", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, {m.get('mem_gib')} GiB, jax {m.get('jax')}.",
-           "", "Produced by `bench/memory_bench.py` (see its docstring for what each phase is)."]
+           "", "Produced by `bench/engine/memory.py` (see its docstring for what each phase is)."]
   for label, runs in res["runs"].items():
     lines += ["", f"## {label}", "", "| case | stored base (MiB) | resident (MiB) | after imports "
               "(MiB) | peak (MiB) | peak / resident |", "|---|---|---|---|---|---|"]

@@ -1,6 +1,6 @@
 """XLA's oneDNN CPU dots on or off, for the serving engine's decode step on the real model.
 
-    python bench/onednn_bench.py [--pairs 2] [--steps 24]
+    python -m bench onednn [--pairs 2] [--steps 24]
 
 Each run is its own process (XLA flags are read once, when jax initialises), alternating
 ``XLA_FLAGS=--xla_cpu_use_onednn=true`` and the default, ``--pairs`` times each (interleaved).
@@ -9,22 +9,20 @@ the shipped real variant smol-math into `Generator`, compiles the shapes it time
 times decode steps (the median of ``--steps``) of 1 and 8 concurrent sequences on the base and
 on the variant, and the prefill step of a 128-token prompt. Logits are compared too: the
 greedy tokens of both settings must agree.
-Writes bench/results/onednn.{json,md}.
+Writes bench/results/engine/onednn.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench.common import report
+from bench.common.paths import ROOT, results_dir
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results"
+OUT = results_dir("engine")
 VARIANT = ROOT / "bitdelta_jax" / "zoo" / "shipped_real" / "deltas" / "smol-math"
 FLAG = "--xla_cpu_use_onednn=true"
 
@@ -80,13 +78,13 @@ def main() -> None:
   if args.worker:
     print("RESULT " + json.dumps(worker(args.steps)), flush=True)
     return
-  import machine
-  from checkouts import run_worker
+  from bench.common import machine
+  from bench.common.checkouts import run_worker
 
   runs: dict = {"onednn": [], "default": []}
   for p in range(args.pairs):
     for label in ("onednn", "default"):
-      res = run_worker(pathlib.Path(__file__), ROOT, ["--steps", str(args.steps)],
+      res = run_worker("bench.engine.onednn", ROOT, ["--steps", str(args.steps)],
                        {"XLA_FLAGS": FLAG if label == "onednn" else ""})
       runs[label].append(res)
       print(f"pair {p} {label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res["times"].items()),
@@ -99,14 +97,14 @@ def main() -> None:
          "median_ms": med, "speedup": {k: med["default"][k] / med["onednn"][k] for k in keys},
          "greedy_tokens_equal": same_tokens}
   OUT.mkdir(exist_ok=True)
-  (OUT / "onednn.json").write_text(json.dumps(doc, indent=2))
+  report.write_json(OUT / "onednn.json", doc, indent=2)
   m = doc["machine"]
   lines = ["# XLA CPU oneDNN dots for the serving engine (real SmolLM2-135M, f32)", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. `Generator` with "
            "the real base (dequantized Q4_1) and the shipped variant smol-math (1-bit linear "
            f"layers and embeddings); each setting in its own process, {args.pairs} interleaved "
            f"pairs, median of {args.steps} steps per run, then the median over runs. Greedy tokens "
-           f"equal between settings: {same_tokens}. Script: `bench/onednn_bench.py`.", "",
+           f"equal between settings: {same_tokens}. Script: `bench/engine/onednn.py`.", "",
            f"| step | default (ms) | `{FLAG}` (ms) | speed-up |", "|---|---:|---:|---:|"]
   for k in keys:
     lines.append(f"| {k.replace(' (ms/step)', '').replace(' (ms)', '')} | "

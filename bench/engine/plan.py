@@ -6,33 +6,31 @@ SmolLM2-135M config, no weights needed: only the scheduler runs) for decode step
 mask and a penalty history), and measures for each: the plan's size (`step_plan.encode`), the
 time to encode it, to decode it, and to send it to one follower over loopback TCP
 (`bitdelta_jax.engine.multihost.channel`, the receiver on a thread) until that follower has decoded it.
-Medians of interleaved rounds. Results: ``bench/results/plan.{json,md}``.
+Medians of interleaved rounds. Results: ``bench/results/engine/plan.{json,md}``.
 
-    python bench/plan_bench.py [--rounds 200]
+    python -m bench plan [--rounds 200]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import statistics
-import sys
 import threading
 import time
 import types
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import numpy as np
 
-import machine  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bitdelta_jax.engine.generator import Generator  # noqa: E402
-from bitdelta_jax.engine.multihost import codec as step_plan  # noqa: E402
-from bitdelta_jax.engine.multihost.channel import PlanReceiver, PlanSender  # noqa: E402
-from bitdelta_jax.engine.sampling import SamplingParams  # noqa: E402
-from bitdelta_jax.models.config import ModelConfig  # noqa: E402
+from bench.common import (
+  machine,
+  report,
+)
+from bench.common.paths import results_dir
+from bitdelta_jax.engine.generator import Generator
+from bitdelta_jax.engine.multihost import codec as step_plan
+from bitdelta_jax.engine.multihost.channel import PlanReceiver, PlanSender
+from bitdelta_jax.engine.sampling import SamplingParams
+from bitdelta_jax.models.config import ModelConfig
 
 VOCAB, MAX_SEQ, PAGE = 49152, 2048, 16
 
@@ -122,8 +120,8 @@ def main() -> None:
                  "encode_us": med["encode"], "decode_us": med["decode"],
                  "send_and_decode_us": med["send"]})
   res = {"machine": machine.describe(), "rounds": a.rounds, "rows": rows}
-  out = pathlib.Path(__file__).parent / "results"
-  (out / "plan.json").write_text(json.dumps(res, indent=1))
+  out = results_dir("engine")
+  report.write_json(out / "plan.json", res, indent=1)
   lines = ["# Plan cost per step (multi-process serving)", "",
            f"Machine: {res['machine']['cpu']}, {res['machine']['cores']} cores. Medians of {a.rounds} interleaved "
            "rounds; one follower on loopback (a thread of this process). `send` is from "

@@ -1,13 +1,13 @@
 """Decode-step cost of a variant against the base, in the serving engine, on the real model;
 this checkout against an earlier commit (each run its own process, interleaved).
 
-    python bench/variant_step_bench.py [--pairs 2] [--steps 20] [--before REF]
+    python -m bench variant_step [--pairs 2] [--steps 20] [--before REF]
 
 A run loads the real SmolLM2-135M base (`bitdelta zoo real-base`, dequantized Q4_1, f32) with
 the shipped real variants smol-math (1-bit linear layers and 1-bit embeddings) and smol-upper
 (1-bit linear layers, embeddings unchanged) into `Generator`, and times decode steps (the
 median of ``--steps`` after 4 untimed) of 1 and 8 concurrent sequences on each. Greedy tokens
-must agree between the two checkouts. Writes bench/results/variant_step.{json,md}.
+must agree between the two checkouts. Writes bench/results/engine/variant_step.{json,md}.
 """
 
 from __future__ import annotations
@@ -16,14 +16,13 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench.common import report
+from bench.common.paths import ROOT, results_dir
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-OUT = ROOT / "bench" / "results"
+OUT = results_dir("engine")
 DELTAS = ROOT / "bitdelta_jax" / "zoo" / "shipped_real" / "deltas"
 VARIANTS = ("smol-math", "smol-upper")
 
@@ -71,15 +70,15 @@ def main() -> None:
   if args.worker:
     print("RESULT " + json.dumps(worker(args.steps)), flush=True)
     return
-  import machine
-  from checkouts import checkouts, run_worker
+  from bench.common import machine
+  from bench.common.checkouts import checkouts, run_worker
 
   with tempfile.TemporaryDirectory(prefix="variant_step_") as tmp, \
        checkouts(args.before, pathlib.Path(tmp)) as srcs:
     runs: dict = {k: [] for k in srcs}
     for p in range(args.pairs):
       for label, src in srcs.items():
-        res = run_worker(ROOT / "bench" / "variant_step_bench.py", src, ["--steps", str(args.steps)])
+        res = run_worker("bench.engine.variant_step", src, ["--steps", str(args.steps)])
         runs[label].append(res)
         print(f"pair {p} {label}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
                                                 res["times"].items()), flush=True)
@@ -90,13 +89,13 @@ def main() -> None:
   doc = {"machine": machine.describe(), "pairs": args.pairs, "steps": args.steps,
          "before": args.before, "median_ms": med, "greedy_tokens_equal": same}
   OUT.mkdir(exist_ok=True)
-  (OUT / "variant_step.json").write_text(json.dumps(doc, indent=2))
+  report.write_json(OUT / "variant_step.json", doc, indent=2)
   m = doc["machine"]
   lines = ["# Decode step of a variant against the base (real SmolLM2-135M, f32, Generator)",
            "", f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. Each checkout in its "
            f"own process, {args.pairs} interleaved pairs, median of {args.steps} steps per run, "
            f"then over runs. Greedy tokens equal across runs: {same}. Script: "
-           "`bench/variant_step_bench.py" + (f" --before {args.before}`." if args.before else "`."),
+           "`bench/engine/variant_step.py" + (f" --before {args.before}`." if args.before else "`."),
            ""]
   head = "| step | this commit (ms) | / base |"
   if args.before:

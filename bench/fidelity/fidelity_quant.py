@@ -1,5 +1,5 @@
 """Fidelity of real variants over a quantized base (issue 36, item 6) →
-bench/results/fidelity_quant.{json,md}.
+bench/results/fidelity/fidelity_quant.{json,md}.
 
 The base is SmolLM2-135M-Instruct as imported (`bitdelta zoo real-base`: the wheel's Q4_1 GGUF
 dequantized to f32), requantized to ggml Q8_0 and Q4_0 (`bitdelta_jax.hf.gguf_export.write_gguf`,
@@ -22,7 +22,7 @@ same products over the blocks (`pallas_kernels.quant_matmul`, tested equal to th
 f32 product). The f32-base rows (fine-tune, per-column +distill over the f32 base) are read
 from ``fidelity_real.json`` when present (same prompts, same recipe), else computed here.
 
-    python bench/fidelity_quant_bench.py [--variants smol-math ...] [--formats q8_0 q4_0]
+    python -m bench fidelity_quant [--variants smol-math ...] [--formats q8_0 q4_0]
 
 Variants an earlier run measured (in ``--out``'s fidelity_quant.json) and this one does not are
 kept, each with the commit it was measured at: one variant takes ~40 min on 2 cores, so the
@@ -36,34 +36,33 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import jax.numpy as jnp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity_real_bench import evaluate, tensor_bytes  # noqa: E402
-from machine import describe  # noqa: E402
-
-from bitdelta_jax.delta.compress import CompressPolicy  # noqa: E402
-from bitdelta_jax.delta.store import load_delta, read_manifest  # noqa: E402
-from bitdelta_jax.delta.stream import fingerprint_checkpoint  # noqa: E402
-from bitdelta_jax.hf.gguf_checkpoint import resolve_base  # noqa: E402
-from bitdelta_jax.hf.gguf_export import write_gguf  # noqa: E402
-from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
-from bitdelta_jax.models import from_pretrained  # noqa: E402
-from bitdelta_jax.models.loading import from_tensors, load_config  # noqa: E402
-from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
-from bitdelta_jax.zoo import real_family as rf  # noqa: E402
-from bitdelta_jax.zoo.real_base import import_real_base  # noqa: E402
+from bench.common import report
+from bench.common.machine import describe
+from bench.common.paths import results_dir
+from bench.fidelity.fidelity_real import evaluate, tensor_bytes
+from bitdelta_jax.delta.compress import CompressPolicy
+from bitdelta_jax.delta.store import load_delta, read_manifest
+from bitdelta_jax.hf.checkpoints import open_checkpoint
+from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
+from bitdelta_jax.hf.gguf_checkpoint import resolve_base
+from bitdelta_jax.hf.gguf_export import write_gguf
+from bitdelta_jax.models import from_pretrained
+from bitdelta_jax.models.loading import from_tensors, load_config
+from bitdelta_jax.models.tokenizer import Tokenizer
+from bitdelta_jax.zoo import real_family as rf
+from bitdelta_jax.zoo.real_base import import_real_base
 
 GOAL_POINTS = 1.0  # issue 36 item 6: distilled variants within 1 point of their fine-tunes
 
 
 def _tensors(path) -> dict:
-  with CheckpointReader(resolve_base(path)) as r:
+  with open_checkpoint(resolve_base(path)) as r:
     return {n: r.read(n) for n in r.names()}
 
 
@@ -213,7 +212,7 @@ def main() -> None:
   p.add_argument("--formats", nargs="*", default=["q8_0", "q4_0"])
   p.add_argument("--n-eval", type=int, default=48)
   p.add_argument("--distill-steps", type=int, default=16)
-  p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  p.add_argument("--out", default=str(results_dir("fidelity")))
   p.add_argument("--assemble", action="store_true", help="write the results from the variants "
                  "already finished in an interrupted run (the per-variant files it leaves in "
                  "the temp dir), without running anything")
@@ -291,7 +290,7 @@ def main() -> None:
                      f"{v['f32']['base']['nll']:.3f}")
   result["goals"] = goals
   out.mkdir(parents=True, exist_ok=True)
-  (out / "fidelity_quant.json").write_text(json.dumps(result, indent=1, default=float))
+  report.write_json(out / "fidelity_quant.json", result, indent=1)
   write_md(out, result)
   print("\n".join(goals))
 

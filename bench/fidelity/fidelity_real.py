@@ -1,5 +1,5 @@
 """Fidelity of compressed *real* variants: full fine-tunes of SmolLM2-135M-Instruct
-(`bitdelta_jax.zoo.real_family`) → bench/results/fidelity_real.{json,md,png}.
+(`bitdelta_jax.zoo.real_family`) → bench/results/fidelity/fidelity_real.{json,md,png}.
 
 Per variant: the base, the full fine-tune, BitDelta per-matrix / per-column (1-bit embeddings
 with a per-token α where the fine-tune changed them, norms exact), per-column with scale
@@ -10,7 +10,7 @@ prompts, %), NLL per answer token, mean KL(fine-tune ‖ variant) per answer tok
 whole-variant bytes against the bf16 fine-tune (``2 × parameters``) and against the bf16 linear
 layers alone.
 
-    python bench/fidelity_real_bench.py [--variants smol-math ...] [--n-eval 48] [--keep-previous]
+    python -m bench fidelity_real [--variants smol-math ...] [--n-eval 48] [--keep-previous]
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import argparse
 import json
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,18 +26,18 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import describe  # noqa: E402
-
-from bitdelta_jax.delta.compress import CompressPolicy, apply_delta  # noqa: E402
-from bitdelta_jax.delta.report import Report  # noqa: E402
-from bitdelta_jax.delta.store import load_delta, read_manifest, save_delta  # noqa: E402
-from bitdelta_jax.hf.safetensors_io import CheckpointReader  # noqa: E402
-from bitdelta_jax.models import from_pretrained  # noqa: E402
-from bitdelta_jax.models.loading import from_tensors, load_config  # noqa: E402
-from bitdelta_jax.models.tokenizer import Tokenizer  # noqa: E402
-from bitdelta_jax.zoo import real_family as rf  # noqa: E402
-from bitdelta_jax.zoo.real_base import import_real_base  # noqa: E402
+from bench.common import report
+from bench.common.machine import describe
+from bench.common.paths import results_dir
+from bitdelta_jax.delta.compress import CompressPolicy, apply_delta
+from bitdelta_jax.delta.report import Report
+from bitdelta_jax.delta.store import load_delta, read_manifest, save_delta
+from bitdelta_jax.hf.safetensors_io import CheckpointReader
+from bitdelta_jax.models import from_pretrained
+from bitdelta_jax.models.loading import from_tensors, load_config
+from bitdelta_jax.models.tokenizer import Tokenizer
+from bitdelta_jax.zoo import real_family as rf
+from bitdelta_jax.zoo.real_base import import_real_base
 
 GOAL_POINTS = 1.0  # distilled BitDelta within 1 point of the fine-tune (issue 12, item 4)
 EMB = ("embed_tokens", "lm_head")
@@ -227,7 +226,7 @@ def main() -> None:
   p.add_argument("--budget", default="1/15")
   p.add_argument("--family", help="a real family built by `bitdelta zoo build --real`: its "
                  "distilled deltas are the +distill rows (else distilled here)")
-  p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+  p.add_argument("--out", default=str(results_dir("fidelity")))
   p.add_argument("--keep-previous", action="store_true", help="keep the variants of the "
                  "existing fidelity_real.json that are not re-run (marked with their run)")
   args = p.parse_args()
@@ -280,7 +279,7 @@ def main() -> None:
                  f"({'met' if wr >= 14 else 'missed'}, goal <= 1/14)")
   result["goals"] = goals
   out.mkdir(parents=True, exist_ok=True)
-  (out / "fidelity_real.json").write_text(json.dumps(result, indent=1, default=float))
+  report.write_json(out / "fidelity_real.json", result, indent=1)
   write_md(out, result)
   plot(out, result)
   print("\n".join(goals))

@@ -14,7 +14,7 @@ which installs the wheels of the runtime deps the GPU image lacks and tees every
 are for) with ``pip install --no-index --no-deps --target /tmp/site`` and puts /tmp/site and the
 repo root on PYTHONPATH (jax, flax, orbax, optax, tensorstore, torch come from the image; the
 image's CUDA jax must be used). It runs this file under ``timeout`` and prints the summary.
-``python bench/gpu_check.py --help`` lists the knobs (``--only STAGE``, ``--deadline-s``, ...).
+``python -m bench gpu_check --help`` lists the knobs (``--only STAGE``, ``--deadline-s``, ...).
 
 Stages (each records pass/fail and its error text; a failed stage does not stop the later ones,
 except ``env``, which stops the run when the backend is not a GPU outside ``--dry-run``):
@@ -42,14 +42,14 @@ except ``env``, which stops the run when the backend is not a GPU outside ``--dr
    pages), R = 8 and 32, lane lengths random up to 2048 (one idle lane) or one long lane and the
    rest short, SmolLM2 heads (H 9, KV 3, hd 64) and Llama-8B-like (H 32, KV 8, hd 128), pages of
    16, bf16 (and f32 once): errors against float64 numpy, time ratio kernel / reference.
-5. **prefill**: prompt chunks, `bench/gpu_prefill.py` (its docstring): the Mosaic GPU prefill
+5. **prefill**: prompt chunks, `bench/gpu/gpu_prefill.py` (its docstring): the Mosaic GPU prefill
    attention kernel vs the reference at 512-8192-token prompts (numerics vs float64 on sampled
    tokens, time), and time to first token through the engine, base vs variant, kernel vs
    reference path. Results in attention_gpu.json under "prefill".
 6. **serve**: ``python -m bitdelta_jax.cli serve`` on a free loopback port (``--dtype bfloat16``;
    started right after ``env`` so that its warm-up compiles overlap stages 2-4),
    one stream, 8 concurrent on the base, 8 concurrent over 3 variants, 8 concurrent on the base
-   again; tokens/s and TTFT p50 (helpers of `bench/serve_real_bench.py`). Base: the real
+   again; tokens/s and TTFT p50 (`bench/common/load.py`). Base: the real
    SmolLM2-135M-Instruct with its shipped variants when it can be found without network
    (`bitdelta_jax.zoo.real_base`), else the built-in nano family; the summary says which.
    Each scenario runs once unmeasured first; a measured pass during which the server compiled
@@ -79,7 +79,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import importlib.metadata
-import json
 import math
 import os
 import pathlib
@@ -92,17 +91,17 @@ import sys
 import threading
 import time
 import traceback
-import urllib.request
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import ROOT
+
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # the server shares the GPU
 
-import gpu_prefill  # noqa: E402  (bench/: the prefill stage)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench.gpu import gpu_prefill  # noqa: E402  (after the environment above)
 
 STAGES = ("env", "kernel_numerics", "kernel_bench", "attention", "prefill", "serve")
 GPU_DELTA_IMPLS = ("mosaic_gpu", "pallas_triton")
@@ -144,7 +143,7 @@ def _err(e: BaseException, limit: int = 600) -> str:
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
-  path.write_text(json.dumps(obj, indent=1, default=str))
+  report.write_json(path, obj, indent=1)
 
 
 def _version(dist: str) -> str | None:
@@ -280,7 +279,7 @@ def stage_env(ctx: Ctx) -> tuple[bool, str]:
   except (OSError, subprocess.SubprocessError, IndexError):
     env["glibc"] = platform.libc_ver()
   try:
-    from machine import describe
+    from bench.common.machine import describe
 
     env["machine"] = describe()
   except Exception as e:  # noqa: BLE001
@@ -780,11 +779,11 @@ def _attn_exact(c) -> np.ndarray:
 
 
 def _attn_fn(impl: str, layer: int, bp: int, interpret: bool):
-  from pallas_kernels.paged_attention import ragged_paged_attention
+  from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention
 
   def f(q, k_pool, v_pool, meta):
-    return ragged_paged_attention(q, k_pool, v_pool, layer, block_pages=bp, implementation=impl,
-                                  interpret=interpret, **meta)
+    return ragged_paged_attention(q, k_pool, v_pool, layer, AttentionInputs(**meta, block_pages=bp),
+                                  implementation=impl, interpret=interpret)
 
   return f
 
@@ -932,7 +931,7 @@ def _pick_base(choice: str) -> tuple[str, pathlib.Path, dict, str]:
       except Exception:  # noqa: BLE001 - fall back to synthetic variants
         variants = {}
       if len(variants) < 3:
-        from serve_real_bench import make_variants
+        from bench.common.random_models import make_variants
 
         variants = make_variants(base, pathlib.Path("/tmp/bitdelta_gpu_check/variants"))
       return "real SmolLM2-135M-Instruct", base, dict(list(variants.items())[:3]), note
@@ -948,17 +947,9 @@ def _pick_base(choice: str) -> tuple[str, pathlib.Path, dict, str]:
 
 
 def _health(url: str) -> dict | None:
-  try:
-    with urllib.request.urlopen(url + "/health", timeout=3) as r:
-      if r.status == 200:
-        body = r.read()
-        try:
-          return json.loads(body)
-        except ValueError:
-          return {"raw": body[:200].decode(errors="replace")}
-  except Exception:  # noqa: BLE001 - not up yet
-    return None
-  return None
+  from bench.common.server import health
+
+  return health(url, timeout_s=3)
 
 
 def _serve_help_has(flag: str) -> bool:
@@ -974,7 +965,7 @@ class Server:
   (compiling every step program) runs beside the kernel stages; `stage_serve` waits for it."""
 
   def __init__(self, ctx: Ctx, base_choice: str):
-    from serve_real_bench import free_port
+    from bench.common.server import free_port
 
     self.proc = None
     self.log_path = ctx.out / "server.log"
@@ -1045,7 +1036,7 @@ class Server:
 
 
 def stage_serve(ctx: Ctx, server: Server | None, error: str | None) -> tuple[bool, str]:
-  from serve_real_bench import QUESTIONS, pct, serve
+  from bench.common.load import QUESTIONS, pct, serve
 
   if server is None:
     raise RuntimeError(f"the server could not be started: {error}")

@@ -1,4 +1,4 @@
-"""The ``prefill`` stage of `bench/gpu_check.py`: prompt chunks on the GPU.
+"""The ``prefill`` stage of `bench/gpu/gpu_check.py`: prompt chunks on the GPU.
 
 Two parts, both kernel vs reference in the same process:
 
@@ -101,11 +101,11 @@ def _exact(c, tokens) -> np.ndarray:
 
 
 def _fn(impl: str, bp: int, interpret: bool):
-  from pallas_kernels.paged_attention import ragged_paged_attention
+  from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention
 
   def f(q, k_pool, v_pool, meta):
-    return ragged_paged_attention(q, k_pool, v_pool, 1, block_pages=bp, implementation=impl,
-                                  interpret=interpret, **meta)
+    return ragged_paged_attention(q, k_pool, v_pool, 1, AttentionInputs(**meta, block_pages=bp),
+                                  implementation=impl, interpret=interpret)
 
   return f
 

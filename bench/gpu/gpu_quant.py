@@ -34,12 +34,11 @@ import sys
 import time
 import traceback
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from bench.common import report
 
 FORMATS = ("q8_0", "q4_0", "q4_1")
 F32_REL = 1e-5
@@ -121,7 +120,9 @@ def numerics(shapes, dry, rng) -> tuple[bool, list]:
 
 
 def _loop(f, k, n, iters):
-  from gpu_check import _chain_loop  # bench/: the chained-call loop of the delta kernel bench
+  from bench.gpu.gpu_check import (
+    _chain_loop,  # bench/: the chained-call loop of the delta kernel bench
+  )
 
   return jax.jit(_chain_loop(f, k, n, iters))
 
@@ -236,7 +237,7 @@ def main(argv=None) -> int:
     kernel = json.loads(path.read_text()) if path.exists() else {}
   except ValueError:
     kernel = {"unreadable_before_quant": True}
-  path.write_text(json.dumps({**kernel, "quant": res}, indent=1, default=str))
+  report.write_json(path, {**kernel, "quant": res}, indent=1)
   line = summary_line(res)
   log(line)
   with open(args.out / "summary.txt", "a") as f:

@@ -1,6 +1,6 @@
 """CPU decode-lane attention: the jnp reference vs the C++ kernel, one layer call each.
 
-    python bench/cpu_attention_bench.py    → bench/results/cpu_attention.{json,md}
+    python -m bench cpu_attention    → bench/results/kernels/cpu_attention.{json,md}
 
 SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head_dim 64), the engine's page
 size (16) and block (8 pages: `PagedEngine`'s ``128 // page_size``), pages scrambled through
@@ -12,14 +12,11 @@ against each other before timing.
 
 from __future__ import annotations
 
-import json
-import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 HEADS, KV, HD, PS, BP, LAYERS = 9, 3, 64, 16, 8, 2
 ROUNDS = 40
@@ -29,8 +26,8 @@ def main() -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from machine import describe
 
+  from bench.common.machine import describe
   from pallas_kernels.paged_attention import cpu, reference
 
   rng = np.random.default_rng(0)
@@ -89,12 +86,12 @@ def main() -> int:
     "shapes": {"heads": HEADS, "kv_heads": KV, "head_dim": HD, "page_size": PS, "block_pages": BP},
     "rows": rows,
   }
-  out = ROOT / "bench" / "results" / "cpu_attention"
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  out = results_dir("kernels") / "cpu_attention"
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   lines = [
     "# CPU decode-lane attention: jnp reference vs C++ kernel (SmolLM2-135M shapes)",
     "",
-    f"`python bench/cpu_attention_bench.py`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
+    f"`python -m bench cpu_attention`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
     f"{m['cores']} cores, jax {m.get('jax')}. The machine was loaded: other jobs (tests, other "
     "benches) ran at the same time, so absolute times are noisy; rounds are interleaved so both "
     "sides see the same load.",

@@ -1,7 +1,7 @@
 """bf16 weights on CPU: the bf16 small-M kernel vs XLA (f32 and bf16 dots) and the f32 kernel.
 
-    python bench/cpu_bf16_bench.py [--rounds 30] [--model-rounds 8] [--no-model]
-        → bench/results/cpu_bf16.{json,md}
+    python -m bench cpu_bf16 [--rounds 30] [--model-rounds 8] [--no-model]
+        → bench/results/kernels/cpu_bf16.{json,md}
 
 Part 1, one SmolLM2-135M decoder layer's 7 linear layers (q, k, v, o, gate, up, down; [in, out]
 kernels): for M in 1..128 rows, XLA's f32 dot, XLA's bf16 dot (f32 sums), the f32 small-M
@@ -22,11 +22,9 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -47,7 +45,7 @@ SMOL = dict(
 def _interleaved(fns: dict, rounds: int) -> tuple[dict, dict]:
   """(median, min) seconds of each ``fn()`` (`harness.interleaved`). The min is the
   least-disturbed run (the machine is shared)."""
-  import harness
+  from bench.common import harness
 
   t = harness.interleaved(fns, rounds, min_rounds=rounds)
   return t.medians(), {n: t.min(n) for n in t.wall}
@@ -240,7 +238,7 @@ def write_md(res: dict, path: pathlib.Path) -> None:
   lines = [
     "# bf16 weights on CPU: bf16 small-M kernel vs XLA and the f32 kernel (SmolLM2-135M)",
     "",
-    f"`python bench/cpu_bf16_bench.py`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
+    f"`python -m bench cpu_bf16`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
     f"{m['cores']} cores, jax {m.get('jax')}; bf16 kernel path: "
     f"{'vdpbf16ps' if res['bf16_isa'] == 1 else 'widen + FMA'}. Shared machine: load average "
     f"{res['load_before']:.1f} before, {res['load_after']:.1f} after (2 cores), so absolute "
@@ -320,8 +318,7 @@ def main(argv=None) -> int:
   p.add_argument("--no-model", action="store_true")
   p.add_argument("--notes", type=pathlib.Path, help="markdown lines appended as the reading")
   args = p.parse_args(argv)
-  from machine import describe
-
+  from bench.common.machine import describe
   from pallas_kernels.small_matmul.cpu_bf16 import isa
 
   res = {
@@ -338,8 +335,8 @@ def main(argv=None) -> int:
   res["load_after"] = os.getloadavg()[0]
   if args.notes:
     res["notes"] = args.notes.read_text().splitlines()
-  out = ROOT / "bench" / "results" / "cpu_bf16"
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  out = results_dir("kernels") / "cpu_bf16"
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   write_md(res, out.with_suffix(".md"))
   return 0
 

@@ -12,7 +12,7 @@ with a bank of 4 slots and either every row in slot 1 (*_one) or rows spread ove
 over the rounds, so a loaded machine moves them alike; ratios are to base. Shapes that occur
 twice in a layer (q/o, k/v, gate/up) are timed once and counted twice in the layer total.
 
-Results: bench/results/cpu_delta.{json,md}.
+Results: bench/results/kernels/cpu_delta.{json,md}.
 """
 
 from __future__ import annotations
@@ -22,24 +22,19 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 import tempfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common.machine import describe
+from bench.common.paths import ROOT, results_dir
+from bitdelta_jax.delta.format import group_k_for, pack
+from pallas_kernels.delta_matmul import cpu
+from pallas_kernels.native import build as native
 
-from machine import describe  # noqa: E402
-
-from bitdelta_jax.delta.format import group_k_for, pack  # noqa: E402
-from pallas_kernels.delta_matmul import cpu  # noqa: E402
-from pallas_kernels.native import build as native  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+RESULTS = results_dir("kernels")
 LAYER = [
   ("q", 576, 576),
   ("k", 576, 192),
@@ -108,7 +103,7 @@ def _fns(g: int) -> dict:
 
 
 def _interleaved(calls: dict, rounds: int) -> dict[str, float]:
-  import harness
+  from bench.common import harness
 
   return harness.interleaved(calls, rounds).medians()
 

@@ -1,7 +1,7 @@
 """The tied LM head on CPU in f32: XLA's ``h · Eᵀ`` vs the f32 NT kernel (SmolLM2-135M).
 
-    python bench/cpu_head_bench.py [--rounds 30] [--model-rounds 20] [--no-model]
-        → bench/results/cpu_head.{json,md}
+    python -m bench cpu_head [--rounds 30] [--model-rounds 20] [--no-model]
+        → bench/results/kernels/cpu_head.{json,md}
 
 Part 1, the head alone on SmolLM2's shape (E [49152, 576] f32, 113 MB): for 1..32 rows, XLA's
 f32 einsum (what `_head_matmul` ran before) and `pallas_kernels.small_matmul.cpu.small_matmul_nt`,
@@ -18,11 +18,9 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 VOCAB, DIM = 49152, 576
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -32,7 +30,7 @@ def _interleaved(fns: dict, rounds: int) -> tuple[dict[str, list[float]], dict[s
   """(wall, process CPU) seconds of each ``fn()`` per round (`harness.interleaved`). CPU time
   (all threads) is what a loaded machine makes scarce; on a quiet one the kernel's wall time
   approaches its CPU time over the threads it keeps busy."""
-  import harness
+  from bench.common import harness
 
   t = harness.interleaved(fns, rounds)
   return t.wall, t.cpu
@@ -147,7 +145,7 @@ def write_md(res: dict, path: pathlib.Path) -> None:
   lines = [
     "# The tied LM head on CPU in f32: XLA vs the f32 NT kernel (SmolLM2-135M)",
     "",
-    f"`python bench/cpu_head_bench.py`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
+    f"`python -m bench cpu_head`; {m['cpu']} ({', '.join(m.get('cpu_flags', []))}), "
     f"{m['cores']} cores, jax {m.get('jax')}. Shared machine: load average "
     f"{res['load_before']:.1f} before, {res['load_after']:.1f} after ({m['cores']} cores), so "
     "absolute times are noisy; the ratios are medians of per-round ratios from the same "
@@ -196,8 +194,8 @@ def main(argv=None) -> int:
   p.add_argument("--notes", type=pathlib.Path, help="markdown lines appended as the reading")
   args = p.parse_args(argv)
   import jax
-  from machine import describe
 
+  from bench.common.machine import describe
   from pallas_kernels.small_matmul import cpu
 
   if reason := cpu._load():
@@ -213,8 +211,8 @@ def main(argv=None) -> int:
   res["load_after"] = os.getloadavg()[0]
   if args.notes:
     res["notes"] = args.notes.read_text().splitlines()
-  out = ROOT / "bench" / "results" / "cpu_head"
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
+  out = results_dir("kernels") / "cpu_head"
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   write_md(res, out.with_suffix(".md"))
   print(out.with_suffix(".md").read_text())
   return 0

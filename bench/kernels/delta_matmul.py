@@ -18,7 +18,7 @@ is present the results say so.
 ``--model-step``: a whole decode step of the model, base vs one variant (hook; runs only if
 ``bitdelta_jax.models`` provides ``bench_decode_step``).
 
-Results: bench/results/kernel_{cpu,gpu}.{json,md,png}.
+Results: bench/results/kernels/kernel_{cpu,gpu}.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -28,28 +28,26 @@ import json
 import os
 import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from bitdelta_jax.delta.format import pack, unpack_signs  # noqa: E402
-from pallas_kernels.delta_matmul import delta_matmul  # noqa: E402
+from bench.common import report
+from bench.common.paths import results_dir
+from bitdelta_jax.delta.format import pack, unpack_signs
+from pallas_kernels.delta_matmul import delta_matmul
 
 try:
-  from machine import describe  # noqa: E402
+  from bench.common.machine import describe
 except ImportError:  # pragma: no cover
 
   def describe() -> dict:
     return {"jax": jax.__version__}
 
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = results_dir("kernels")
 
 
 def _cpu_flags() -> list[str]:
@@ -72,7 +70,7 @@ def _machine() -> dict:
 
 def _interleaved(fns: dict, args: dict, rounds: int, budget_s: float) -> dict[str, float]:
   """Median seconds per call, one call of every fn per round (`harness.interleaved`)."""
-  import harness
+  from bench.common import harness
 
   calls = {name: (lambda f=f, a=args[name]: f(*a)) for name, f in fns.items()}
   return harness.interleaved(calls, rounds, budget_s=budget_s).medians()
@@ -168,7 +166,7 @@ def _plot(rows, path, title, modes, key=lambda r: f"K{r['K']} M{r['M']}"):
 def write_cpu(rows, machine, out: pathlib.Path):
   goals = {"M=1": 1.3, "M=8": 1.5}
   data = {"machine": machine, "dtype": "float32", "rows": rows, "goals_variant_over_base": goals}
-  (out / "kernel_cpu.json").write_text(json.dumps(data, indent=1))
+  report.write_json(out / "kernel_cpu.json", data, indent=1)
   lines = [
     "# delta_matmul CPU benchmark (one linear layer, f32)",
     "",
@@ -273,7 +271,7 @@ def bench_gpu(interpret: bool = False, quick: bool = False) -> dict:
     return {
       "available": False,
       "note": f"no GPU available (jax backend {jax.default_backend()!r}); "
-      "the GPU part was not run. Re-run `python bench/kernel_bench.py --gpu` on an H100/H200.",
+      "the GPU part was not run. Re-run `python -m bench delta_matmul --gpu` on an H100/H200.",
     }
   sizes = (256,) if quick else (4096, 8192)
   batches = (1, 16) if quick else (1, 16, 64, 256, 4096)
@@ -340,7 +338,7 @@ def bench_gpu(interpret: bool = False, quick: bool = False) -> dict:
 
 def write_gpu(res: dict, machine: dict, out: pathlib.Path):
   data = {"machine": machine, **res}
-  (out / "kernel_gpu.json").write_text(json.dumps(data, indent=1))
+  report.write_json(out / "kernel_gpu.json", data, indent=1)
   lines = ["# delta_matmul GPU benchmark", ""]
   if not res["available"]:
     lines.append(res["note"])
@@ -389,7 +387,7 @@ def bench_model_step(out: pathlib.Path) -> dict:
     }
   else:
     res = {"available": True, **bench_decode_step()}
-  (out / "kernel_model_step.json").write_text(json.dumps(res, indent=1))
+  report.write_json(out / "kernel_model_step.json", res, indent=1)
   return res
 
 

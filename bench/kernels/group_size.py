@@ -1,7 +1,7 @@
 """Bit-plane group size fitted to K (64 rows for SmolLM2's K = 576) against the old fixed 128
 (K padded to 640): bytes per variant and the CPU delta kernel's time, one process, interleaved.
 
-    python bench/group_size_bench.py   → bench/results/group_size.{json,md}
+    python -m bench group_size   → bench/results/kernels/group_size.{json,md}
 
 Shapes: the 7 linear layers of one SmolLM2-135M decoder layer (f32 [in, out] kernels), a bank
 of 4 slots with a per-column α, rows in slots 1-3 (slot 0, the base, is skipped by the kernel),
@@ -13,14 +13,10 @@ float64 formula before timing.
 
 from __future__ import annotations
 
-import json
-import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 SLOTS = 4
@@ -31,8 +27,8 @@ def main() -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from machine import describe
 
+  from bench.common.machine import describe
   from bitdelta_jax.delta.format import _pack_bits, group_k_for
   from pallas_kernels.delta_matmul import api
 
@@ -84,12 +80,12 @@ def main() -> int:
           "fixed128": sum(int(forms[128].nbytes) // SLOTS for _, forms, _, _ in layers)}
   res = {"machine": describe(), "shapes": SHAPES, "slots": SLOTS, "rounds": ROUNDS,
          "bits_bytes_per_variant_layer": size, "rows": rows}
-  out = ROOT / "bench" / "results" / "group_size"
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  out = results_dir("kernels") / "group_size"
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   mc = res["machine"]
   lines = [
     "# Bit-plane groups fitted to K vs fixed 128-row groups (SmolLM2-135M shapes, CPU kernel)", "",
-    f"`python bench/group_size_bench.py`; {mc['cpu']}, {mc['cores']} cores, jax {mc.get('jax')}. "
+    f"`python -m bench group_size`; {mc['cpu']}, {mc['cores']} cores, jax {mc.get('jax')}. "
     f"One decoder layer's 7 linear layers, a bank of {SLOTS} slots with per-column α, rows in "
     f"slots 1-3; median of {ROUNDS} interleaved rounds. Fitted: 64-row groups for K = 576 (no "
     "padding), 128 for K = 1536; fixed: 128-row groups, K = 576 padded to 640 (deltas written "

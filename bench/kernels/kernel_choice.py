@@ -1,8 +1,8 @@
 """The public `delta_matmul` at one row against the model's path and XLA's GEMV (issue 37).
 
-    python bench/kernel_choice_bench.py [--rounds 30] [--k 4096] [--n 4096]
-        → bench/results/kernel_choice.{json,md}
-    python bench/kernel_choice_bench.py --quick    # smoke run: tiny sizes, 1 round, no results
+    python -m bench kernel_choice [--rounds 30] [--k 4096] [--n 4096]
+        → bench/results/kernels/kernel_choice.{json,md}
+    python -m bench kernel_choice --quick    # smoke run: tiny sizes, 1 round, no results
 
 One row x, W ``[K, N]`` in f32 and in bf16 (x in W's dtype, as in a model), one 1-bit variant.
 Candidates, jitted with every array an argument, interleaved round by round (the order
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import harness  # noqa: E402
+from bench.common import (
+  harness,
+  report,
+)
+from bench.common.machine import machine_line
+from bench.common.paths import results_dir
 
 
 def _candidates(k: int, n: int, dtype):
@@ -102,9 +101,9 @@ def main() -> None:
     "# Kernel choice: the public delta_matmul at one row",
     "",
     f"One row, K={args.k}, N={args.n}, one 1-bit variant; medians of {args.rounds} interleaved "
-    "rounds; ratio = time / XLA's GEMV `x @ W` (bench/kernel_choice_bench.py).",
+    "rounds; ratio = time / XLA's GEMV `x @ W` (bench/kernels/kernel_choice.py).",
     "",
-    harness.machine_line({}),
+    machine_line({}),
     "",
     "| W | " + " | ".join(names) + " | load |",
     "|---|" + "---|" * (len(names) + 1),
@@ -112,7 +111,7 @@ def main() -> None:
   for r in rows:
     cells = [f"{r[c + '_us']:.0f} us ({r[c + '_vs_xla']:.2f}x)" for c in names]
     lines.append(f"| {r['weights']} | " + " | ".join(cells) + f" | {r['load']:.1f} |")
-  md = harness.write_results("kernel_choice", {"rows": rows}, lines)
+  md = report.write(results_dir("kernels") / "kernel_choice", {"rows": rows}, lines)
   print(md)
 
 

@@ -1,9 +1,9 @@
 """The quantized-base CPU kernel (`quant_matmul` cpu_rows) at decode sizes: f32 against int8
 activations, and against f32 weights.
 
-    python bench/quant_kernel_bench.py [--rounds 15]   → bench/results/quant_kernel.{json,md}
-    python bench/quant_kernel_bench.py --quick         # smoke run: small sizes, 1 round, no files
-    python bench/quant_kernel_bench.py --rows 1 8 64 --bf16   # + a prefill chunk, bf16 W
+    python -m bench quant_kernel [--rounds 15]   → bench/results/kernels/quant_kernel.{json,md}
+    python -m bench quant_kernel --quick         # smoke run: small sizes, 1 round, no files
+    python -m bench quant_kernel --rows 1 8 64 --bf16   # + a prefill chunk, bf16 W
 
 Rows 1 and 8 (decode), shapes SmolLM2's MLP (K=576, N=1536 and K=1536, N=576), K=2048, N=8192
 and K=N=4096. Candidates, jitted with every array an argument, interleaved round by round
@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import harness  # noqa: E402
+from bench.common import (
+  harness,
+  report,
+)
+from bench.common.machine import machine_line
+from bench.common.paths import results_dir
 
 FORMATS = ("q8_0", "q4_0", "q4_1")
 
@@ -259,7 +258,7 @@ def logit_error() -> dict:
   lines = [
     "# int8 vs f32 activations on the real SmolLM2-135M Q4_1 GGUF",
     "",
-    f"`python bench/quant_kernel_bench.py --logits`: {path.name} loaded with its blocks "
+    f"`python -m bench quant_kernel --logits`: {path.name} loaded with its blocks "
     "(`models.from_pretrained`), every linear layer and the tied head through the cpu_rows "
     "kernel; each prompt's teacher-forced logits at every position with "
     "`BITDELTA_QUANT_ACTIVATIONS=f32` and `=int8`. KL(f32 ‖ int8) of the next-token "
@@ -285,7 +284,7 @@ def logit_error() -> dict:
     lines.append(f"| {p['prompt'][:40]!r} | {p['tokens']} | {p['max_abs_dlogit']:.3g} | "
                  f"{p['mean_abs_dlogit']:.3g} | {p['logit_scale']:.3g} | "
                  f"{p['argmax_agree']}/{p['tokens']} | {p['kl_mean']:.2e} | {p['kl_max']:.2e} |")
-  md = harness.write_results("quant_kernel_logits", {"summary": summary, "prompts": per}, lines)
+  md = report.write(results_dir("kernels") / "quant_kernel_logits", {"summary": summary, "prompts": per}, lines)
   print(md.read_text())
   return summary
 
@@ -299,7 +298,7 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
   lines = [
     "# int8 activations: AVX-512 VNNI tiles vs AVX2 int8 tiles vs f32 activations",
     "",
-    f"`python bench/quant_kernel_bench.py --vnni --rows {' '.join(map(str, rows))}`: per shape "
+    f"`python -m bench quant_kernel --vnni --rows {' '.join(map(str, rows))}`: per shape "
     f"and format, four candidates on the same arrays, interleaved ({max(rounds, 31)} rounds), "
     "medians. `int8_vnni`: this build's int8-activation path (vpdpbusd on byte-permuted "
     "quads); `int8_avx2`: the same kernel built with `-mno-avx512vnni` (vpmaddubsw / vpmaddwd "
@@ -307,7 +306,7 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
     "`x @ W` on the dense f32 matrix. GB/s: stored bytes read per second (blocks; f32 W for "
     "XLA). No variant term (the delta is the same code in every candidate).",
     "",
-    harness.machine_line({}),
+    machine_line({}),
     "",
     "| M | K x N | format | int8 VNNI (us) | int8 AVX2 (us) | f32 x (us) | XLA f32 (us) | "
     "VNNI / AVX2 | VNNI / f32 x | VNNI GB/s | XLA GB/s | load |",
@@ -318,7 +317,7 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
                  f"{r['int8_avx2_us']:.0f} | {r['f32_us']:.0f} | {r['xla_f32_us']:.0f} | "
                  f"{r['vnni_vs_avx2']:.2f} | {r['vnni_vs_f32']:.2f} | {r['gbps_int8_vnni']:.1f} | "
                  f"{r['gbps_xla_f32']:.1f} | {r['load']:.1f} |")
-  md = harness.write_results("quant_vnni", {"rows": res}, lines)
+  md = report.write(results_dir("kernels") / "quant_vnni", {"rows": res}, lines)
   print(md.read_text())
 
 
@@ -333,7 +332,7 @@ def main() -> None:
                   "8-column tiles in one run")
   ap.add_argument("--vnni", action="store_true",
                   help="only int8 activations' VNNI tiles vs the AVX2 int8 tiles vs f32 "
-                  "activations (bench/results/quant_vnni.{json,md})")
+                  "activations (bench/results/kernels/quant_vnni.{json,md})")
   ap.add_argument("--logits", action="store_true",
                   help="only the real SmolLM2 Q4_1 model's logit error, int8 vs f32 activations")
   args = ap.parse_args()
@@ -356,11 +355,11 @@ def main() -> None:
   lines = [
     "# Quantized-base CPU kernel (quant_matmul cpu_rows): f32 vs int8 activations",
     "",
-    f"Medians of {args.rounds} interleaved rounds (bench/quant_kernel_bench.py), all candidates "
+    f"Medians of {args.rounds} interleaved rounds (bench/kernels/quant_kernel.py), all candidates "
     "in one process, round by round; compare the ratios (taken within each round's medians) "
     "and the load column (other work on the 2 cores makes single times noisy).",
     "",
-    harness.machine_line({}),
+    machine_line({}),
     "",
     "## int8 / f32 activations (time ratio; < 1: int8 faster)",
     "",
@@ -397,7 +396,7 @@ def main() -> None:
              for c in names]
     lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | " + " | ".join(cells)
                  + f" | {r['load']:.1f} |")
-  md = harness.write_results("quant_kernel", {"rows": rows, "avx2_ab": ab}, lines)
+  md = report.write(results_dir("kernels") / "quant_kernel", {"rows": rows, "avx2_ab": ab}, lines)
   print(md)
 
 

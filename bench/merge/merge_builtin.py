@@ -10,7 +10,7 @@ loss on training-distribution examples, checked every ``every/avg_window`` steps
 run's start point). A merge also happens at the last step, so the evaluated model is the merged
 one. Measured: smoothness (std of the step-to-step change of the training loss, whole run and
 second half), final held-out exact match and NLL. The loop is the library's
-(`bitdelta_jax.merge.soup_training.soup_train`, shared with bench/soups_real_bench.py).
+(`bitdelta_jax.merge.soup_training.soup_train`, shared with bench/merge/soups_real.py).
 
 **kmerge** (`--part kmerge`): one LoRA fine-tune of the base per task (q/v/up/down projections),
 then for each of ``seeds`` shuffled arrival orders and K = 1..#tasks a pool is fed the adapters
@@ -24,9 +24,9 @@ normalised score: an upper bound for any assignment, found by enumerating every 
 The byte budget is K adapters, so only K binds. A merged member's adapter depends only on the
 ordered list of tasks merged into it, so scores are cached by that list.
 
-    python bench/merge_bench.py [--part soups|kmerge|both] [--base DIR] [--micro]
+    python -m bench merge_builtin [--part soups|kmerge|both] [--base DIR] [--micro]
 
-Writes bench/results/merge_soups.{json,md,png} and bench/results/kmerge.{json,md,png}
+Writes bench/results/merge/merge_soups.{json,md,png} and bench/results/merge/kmerge.{json,md,png}
 (``--out-prefix`` changes the names, e.g. for the micro smoke run).
 """
 
@@ -40,29 +40,27 @@ import math
 import os
 import pathlib
 import random
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+from bench.common import report
+from bench.common.paths import results_dir
+from bitdelta_jax.merge.lora import LoraAdapter, from_factors, load_adapter, save_adapter
+from bitdelta_jax.merge.soup_training import SoupSchedule, copy_tree, soup_train
+from bitdelta_jax.models import from_pretrained
+from bitdelta_jax.models.loading import hf_name
+from bitdelta_jax.zoo.data import batch_examples
+from bitdelta_jax.zoo.evaluate import exact_match_and_nll
+from bitdelta_jax.zoo.recipe import _labels, _task_batches
+from bitdelta_jax.zoo.tasks import TASKS
+from bitdelta_jax.zoo.train import masked_xent
 
-from bitdelta_jax.merge.lora import LoraAdapter, from_factors, load_adapter, save_adapter  # noqa: E402
-from bitdelta_jax.merge.soup_training import SoupSchedule, copy_tree, soup_train  # noqa: E402
-from bitdelta_jax.models import from_pretrained  # noqa: E402
-from bitdelta_jax.models.loading import hf_name  # noqa: E402
-from bitdelta_jax.zoo.data import batch_examples  # noqa: E402
-from bitdelta_jax.zoo.evaluate import exact_match_and_nll  # noqa: E402
-from bitdelta_jax.zoo.recipe import _labels, _task_batches  # noqa: E402
-from bitdelta_jax.zoo.tasks import TASKS  # noqa: E402
-from bitdelta_jax.zoo.train import masked_xent  # noqa: E402
+RESULTS = results_dir("merge")
 
 VARIANTS = ("none", "naive", "svd_soup", "monosoup")
 
@@ -757,7 +755,7 @@ def main(argv=None) -> None:
     km_cfg, **{k: v for k, v in (("steps", args.lora_steps), ("seeds", args.seeds)) if v}
   )
 
-  import machine
+  from bench.common import machine
 
   if args.render:
     for stem, md, plot in (
@@ -798,7 +796,7 @@ def main(argv=None) -> None:
     }
     data["meta"] = meta
     stem = out_dir / f"{args.out_prefix}{'merge_soups' if part == 'soups' else 'kmerge'}"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
+    report.write_json(stem.with_suffix(".json"), data, indent=1)
     md = soups_markdown(data, meta) if part == "soups" else kmerge_markdown(data, meta)
     if args.note:
       md = md.replace("\n\n", f"\n\n{args.note}\n\n", 1)

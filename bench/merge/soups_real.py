@@ -18,8 +18,8 @@ every check, i.e. every every/window steps, before any merge at that step); fina
 loss and held-out exact match / NLL (``n_eval`` held-out prompts, teacher-forced greedy,
 `real_family.score`) after the last merge; wall time.
 
-    python bench/soups_real_bench.py                 # bench/results/soups_real.{json,md,png}
-    python bench/soups_real_bench.py --quick --out-dir /tmp/soups   # smoke run: minutes
+    python -m bench soups_real                 # bench/results/merge/soups_real.{json,md,png}
+    python -m bench soups_real --quick --out-dir /tmp/soups   # smoke run: minutes
 """
 
 from __future__ import annotations
@@ -29,33 +29,33 @@ import dataclasses
 import json
 import os
 import pathlib
-import sys
 import time
+
+from bench.common import report
+from bench.common.paths import results_dir
 
 # LAPACK (the SVD merges) on one thread: on a loaded 2-core machine OpenBLAS's threads made a
 # 576x1536 SVD take 10-25 s instead of 1 s (XLA's own dots do not use OpenBLAS)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-from bitdelta_jax.merge.soup_training import (  # noqa: E402
+from bitdelta_jax.merge.soup_training import (
   METHODS,
   SoupSchedule,
   copy_tree,
   model_step_fns,
   soup_train,
 )
-from bitdelta_jax.zoo.lora_tasks import LORA_TASKS  # noqa: E402
-from bitdelta_jax.zoo.real_family import RealRecipe, encode, optimizer, score  # noqa: E402
-from bitdelta_jax.zoo.tasks import TASKS  # noqa: E402
+from bitdelta_jax.zoo.lora_tasks import LORA_TASKS
+from bitdelta_jax.zoo.real_family import RealRecipe, encode, optimizer, score
+from bitdelta_jax.zoo.tasks import TASKS
+
+RESULTS = results_dir("merge")
 
 ALL_TASKS = {**TASKS, **LORA_TASKS}
 
@@ -285,7 +285,7 @@ def main(argv=None) -> None:
     ("seq", args.seq)) if v})
   if cfg.steps % cfg.every:
     raise SystemExit("--steps must be a multiple of --every (the last step merges)")
-  import machine
+  from bench.common import machine
 
   load_start = [round(x, 2) for x in os.getloadavg()]
   t0 = time.perf_counter()
@@ -295,7 +295,7 @@ def main(argv=None) -> None:
                   "load_start": load_start, "load_end": [round(x, 2) for x in os.getloadavg()],
                   "jax_devices": str(jax.devices())}
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(data, indent=1))
+  report.write_json(out.with_suffix(".json"), data, indent=1)
   out.with_suffix(".md").write_text(markdown(data))
   plot(data, out.with_suffix(".png"))
   print(f"{data['meta']['seconds']:.0f} s → {out}.{{json,md,png}}", flush=True)

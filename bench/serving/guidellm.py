@@ -1,9 +1,9 @@
-"""The realistic-variant server of `portable_bench.py` measured by guidellm, an established load
-generator anyone can install (issue 49 item 7) → bench/results/portable_guidellm.{json,md}.
+"""The realistic-variant server of `bench/serving/portable.py` measured by guidellm, an established load
+generator anyone can install (issue 49 item 7) → bench/results/serving/portable_guidellm.{json,md}.
 
     python -m venv /tmp/gl && /tmp/gl/bin/pip install guidellm==0.8.1   # pinned, package registry
-    python bench/portable_bench.py --build-only                          # the models (cached)
-    python bench/guidellm_bench.py --guidellm /tmp/gl/bin/guidellm [--rounds 2]
+    python -m bench portable --build-only                          # the models (cached)
+    python -m bench guidellm --guidellm /tmp/gl/bin/guidellm [--rounds 2]
 
 One `bitdelta serve` of the Q4_0 release with its 4 realistic variants (portable deltas) and the
 default (int8) activations; guidellm's synthetic text (128 prompt tokens, 64 output tokens,
@@ -20,11 +20,9 @@ import json
 import pathlib
 import statistics
 import subprocess
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common.paths import ROOT, results_dir
 
 
 def run_guidellm(exe: str, url: str, model: str, streams: int, requests: int, tokenizer,
@@ -56,8 +54,8 @@ def summarize(report: dict) -> dict:
 
 
 def main(argv=None) -> int:
-  from portable_bench import DEFAULT_WORK
-  from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
+  from bench.common.server import free_port, launch_server, stop_server, wait_healthy
+  from bench.serving.portable import DEFAULT_WORK
 
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--guidellm", required=True, help="the guidellm executable (0.8.1)")
@@ -69,7 +67,7 @@ def main(argv=None) -> int:
   a = p.parse_args(argv)
   work = pathlib.Path(a.work)
   if a.summarize_only:
-    res = json.loads((ROOT / "bench" / "results" / "portable_guidellm.json").read_text())
+    res = json.loads((results_dir("serving") / "portable_guidellm.json").read_text())
     res["runs"] = {}
     for k in dict.fromkeys(res["order"]):
       res["runs"][k] = [summarize(json.loads(f.read_text()))
@@ -103,7 +101,8 @@ def main(argv=None) -> int:
 
 
 def write_report(res: dict, a) -> int:
-  from harness import machine_line, write_results
+  from bench.common import report
+  from bench.common.machine import machine_line
 
   def med(k, metric, stat="mean"):
     vals = [r[metric][stat] for r in res["runs"][k] if metric in r and r[metric][stat] is not None]
@@ -113,7 +112,7 @@ def write_report(res: dict, a) -> int:
                                  text=True, cwd=ROOT).stdout.strip()
   L = ["# guidellm on realistic variants over a Q4_0 base (1B-shaped)", "",
        machine_line(res) + f" Commit {res['commit']}; {res['guidellm']}.", "",
-       "`python bench/guidellm_bench.py --guidellm /tmp/gl/bin/guidellm` (module docstring). "
+       "`python -m bench guidellm --guidellm /tmp/gl/bin/guidellm` (module docstring). "
        f"Synthetic text 128 prompt / 64 output tokens, {a.requests} requests a run, "
        f"{a.rounds} interleaved rounds (median of the runs' values); default activations (int8).",
        "", "| model | concurrency | output tok/s | TTFT median (ms) | ITL median (ms) |",
@@ -126,7 +125,7 @@ def write_report(res: dict, a) -> int:
     ratio = med(f"v0_c{c}", "output_tok_s") / med(f"base_c{c}", "output_tok_s")
     res[f"variant_over_base_c{c}"] = ratio
     L.append(f"\nVariant / base output tokens/s at concurrency {c}: {ratio:.2f}x")
-  write_results("portable_guidellm", res, L)
+  report.write(results_dir("serving") / "portable_guidellm", res, L)
   print("\n".join(L))
   return 0
 

@@ -1,8 +1,8 @@
 """Scoring and sampling-control costs: log-likelihood requests through the server vs
 transformers, and the time per token of the penalty / bias / grammar paths vs plain sampling.
 
-    python bench/logprob_bench.py             # SmolLM2-135M-Instruct (real base), ~5-10 min
-    python bench/logprob_bench.py --tiny      # the tiny synthetic model (a smoke run)
+    python -m bench logprobs             # SmolLM2-135M-Instruct (real base), ~5-10 min
+    python -m bench logprobs --tiny      # the tiny synthetic model (a smoke run)
 
 1. **log-likelihood**: the same (context, continuation) pairs scored by lm-evaluation-harness
    twice: its ``local-completions`` model against the server (in this process, on a loopback
@@ -15,7 +15,7 @@ transformers, and the time per token of the penalty / bias / grammar paths vs pl
    of the paged engine (8 rows x 24 tokens, greedy, all rows alive; the cases interleaved, best
    of 3 runs, since the machine is shared).
 
-Writes bench/results/logprobs.{json,md}.
+Writes bench/results/serving/logprobs.{json,md}.
 """
 
 from __future__ import annotations
@@ -24,12 +24,10 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 TEXTS = [
   "The capital of France is Paris, a city known for", "Water boils at one hundred degrees",
@@ -205,13 +203,13 @@ def engine_steps(base: pathlib.Path, rows: int, tokens: int, rounds: int = 3) ->
 
 def write(results: dict, path: pathlib.Path) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
-  path.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+  report.write_json(path.with_suffix(".json"), results, indent=2)
   ll, sp = results["loglikelihood"], results["sampling"]
   lines = [
     "# Scoring and sampling controls", "",
     f"Model: {results['model']}. Machine: {results['machine'].get('cpu')} "
     f"({results['machine'].get('cores')} cores, shared with other work while it ran). "
-    "`python bench/logprob_bench.py`.", "",
+    "`python -m bench logprobs`.", "",
     "## Log-likelihood requests (lm-evaluation-harness)", "",
     "| path | pairs | seconds | pairs / s |", "|---|---|---|---|",
     f"| server (`local-completions`, echo + logprobs) | {ll['pairs']} | {ll['server_s']:.2f} | "
@@ -248,9 +246,9 @@ def main(argv=None) -> int:
   ap.add_argument("--tiny", action="store_true", help="the tiny synthetic model (smoke run)")
   ap.add_argument("--pairs", type=int, default=48)
   ap.add_argument("--only", choices=["sampling"], help="rerun only the sampling paths")
-  ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "logprobs"))
+  ap.add_argument("--out", default=str(results_dir("serving") / "logprobs"))
   args = ap.parse_args(argv)
-  from machine import describe
+  from bench.common.machine import describe
 
   if args.tiny:
     import tempfile

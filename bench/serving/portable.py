@@ -1,7 +1,7 @@
-"""Realistic variants over a quantized base (issue 49 item 7) → bench/results/portable.{json,md}.
+"""Realistic variants over a quantized base (issue 49 item 7) → bench/results/serving/portable.{json,md}.
 
-    python bench/portable_bench.py                       # build (cached in --work), then measure
-    python bench/portable_bench.py --rounds 1 --tokens 8 --quick --out /tmp/p   # smoke
+    python -m bench portable                       # build (cached in --work), then measure
+    python -m bench portable --rounds 1 --tokens 8 --quick --out /tmp/p   # smoke
 
 Variants made the way users make them, not random bits: a 1B-shaped Llama (hidden 2048, 16
 layers, 32 heads / 8 KV heads, intermediate 8192, vocabulary 49152, tied embeddings: SmolLM2's
@@ -36,9 +36,7 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common.paths import ROOT, results_dir
 
 SHAPE = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True)
@@ -57,11 +55,11 @@ def _cli(*args) -> None:
 
 
 def write_release(out: pathlib.Path, seed: int = 0) -> None:
-  """The bf16 "release", written tensor by tensor (`memory_bench`'s layout, tied head)."""
+  """The bf16 "release", written tensor by tensor (`random_models.llama_specs`' layout, tied head)."""
   import ml_dtypes
   import numpy as np
-  from memory_bench import llama_specs
 
+  from bench.common.random_models import llama_specs
   from bitdelta_jax.hf.safetensors_io import SafetensorsWriter
   from bitdelta_jax.synthetic import SyntheticConfig
   from bitdelta_jax.zoo.tokenizer_build import write_tokenizer
@@ -183,7 +181,7 @@ def _manifest_sizes(delta_dir) -> dict:
 
 
 def _stream(port: int, jobs: list[tuple[str, str]], tokens: int) -> list[dict]:
-  from serve_real_bench import run_requests
+  from bench.common.load import run_requests
 
   recs, _ = asyncio.run(run_requests(f"http://127.0.0.1:{port}", jobs, len(jobs), tokens))
   return recs
@@ -191,8 +189,8 @@ def _stream(port: int, jobs: list[tuple[str, str]], tokens: int) -> list[dict]:
 
 def measure(built: dict, args, work: pathlib.Path) -> dict:
   from harness import interleaved
-  from quant_bench import _proc_mb
-  from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
+
+  from bench.common.server import free_port, launch_server, process_mb, stop_server, wait_healthy
 
   names = built["names"]
   servers = {fmt: (g, {n: str(built["portable"][n]) for n in names})
@@ -232,7 +230,7 @@ def measure(built: dict, args, work: pathlib.Path) -> dict:
     res["tokens_per_s"] = {k: made[k] / t.median(k) for k in fns}
     res["median_s"] = {k: t.median(k) for k in fns}
     res["ttft_s"] = {k: sorted(v)[len(v) // 2] for k, v in ttfts.items()}
-    res["memory_mb"] = {k: _proc_mb(p.pid) for k, p in procs.items()}
+    res["memory_mb"] = {k: process_mb(p.pid) for k, p in procs.items()}
     res["server_start_s"] = start_s
     res["wall_s"] = t.wall
   finally:
@@ -250,7 +248,7 @@ GOALS = [  # (what, value key, goal, at least?)
 
 
 def report(res: dict) -> list[str]:
-  from harness import machine_line
+  from bench.common.machine import machine_line
 
   tps = res["tokens_per_s"]
   ratio = {f"{a}/{b}": tps[a] / tps[b] for a, b in (k.split("/") for _, k, _ in GOALS)}
@@ -260,7 +258,7 @@ def report(res: dict) -> list[str]:
   sz = res["sizes"]
   L = ["# Realistic variants over a quantized base (1B-shaped Llama, Q4_0 and Q8_0)", "",
        machine_line(res) + f" Commit {res['commit']}, {res['run_at']}.", "",
-       "`python bench/portable_bench.py` (module docstring: how the release, its fine-tunes and "
+       "`python -m bench portable` (module docstring: how the release, its fine-tunes and "
        "GGUFs are made). Fine-tunes: every linear weight + 0.3% of its spread, norms + 1%, "
        "embedding (= the tied LM head) unchanged; `vemb` also moves its embedding 0.3%. "
        f"{res['rounds']} interleaved rounds, medians; {res['tokens']} greedy tokens per request "
@@ -307,7 +305,7 @@ def report(res: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-  from harness import write_results
+  from bench.common.report import write
 
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--work", default=str(DEFAULT_WORK))
@@ -315,7 +313,7 @@ def main(argv=None) -> int:
   p.add_argument("--tokens", type=int, default=64)
   p.add_argument("--build-only", action="store_true")
   p.add_argument("--quick", action="store_true", help="(smoke) results not written to bench/")
-  p.add_argument("--out", default=None, help="results directory (default bench/results)")
+  p.add_argument("--out", default=None, help="results directory (default bench/results/serving)")
   a = p.parse_args(argv)
   work = pathlib.Path(a.work)
   built = build(work)
@@ -331,14 +329,10 @@ def main(argv=None) -> int:
                                  text=True, cwd=ROOT).stdout.strip()
   res["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
   lines = report(res)
-  if a.out:
-    import harness
-
-    harness.RESULTS = pathlib.Path(a.out)
   if a.quick and not a.out:
     print("\n".join(lines))
     return 0
-  write_results("portable", res, lines)
+  write(pathlib.Path(a.out or results_dir("serving")) / "portable", res, lines)
   print("\n".join(lines))
   return 0
 

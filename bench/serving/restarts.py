@@ -1,7 +1,7 @@
 """Restarts as users make them: the same server stopped and started again with the same cache.
 
-    python bench/restart_check.py                    # the demo and the real model, 10 starts each
-    python bench/restart_check.py --which demo --starts 4
+    python -m bench restarts                    # the demo and the real model, 10 starts each
+    python -m bench restarts --which demo --starts 4
 
 Each start is a new `bitdelta demo` (or `bitdelta demo --real`) process with one cache
 directory (``BITDELTA_CACHE``: JAX's compilation cache and the step cache both on, as users
@@ -13,7 +13,7 @@ to everything before issue 35. Every start answers, for every model it serves: a
 schema; and for the base, prompts of 1 to 511 tokens reaching every token bucket. Each answer
 must be a 200 and equal the cold start's (text, and log probabilities within 1e-5).
 
-Then the server gets SIGINT and its exit is timed. Writes bench/results/restarts.{json,md}.
+Then the server gets SIGINT and its exit is timed. Writes bench/results/serving/restarts.{json,md}.
 Timings share the machine with whatever else runs: run it alone.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import re
 import shutil
@@ -31,11 +30,10 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from machine import describe  # noqa: E402
-from serve_real_bench import free_port  # noqa: E402
+from bench.common import report, server
+from bench.common.machine import describe
+from bench.common.paths import results_dir
+from bench.common.server import free_port
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
@@ -43,28 +41,13 @@ BUCKET_LENGTHS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 511)
 
 
 def start(which: str, cache: pathlib.Path, log) -> tuple[subprocess.Popen, str, float]:
-  import requests
-
   port = free_port()
   cmd = [sys.executable, "-m", "bitdelta_jax.cli", "demo", "--port", str(port)]
   if which == "real":
     cmd.append("--real")
-  env = dict(os.environ, BITDELTA_CACHE=str(cache), BITDELTA_COMPILE_CACHE="1",
-             JAX_PLATFORMS="cpu")
-  t0 = time.time()
-  proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
-  url = f"http://127.0.0.1:{port}"
-  while time.time() - t0 < 1800:
-    if proc.poll() is not None:
-      raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-    try:
-      if requests.get(url + "/health", timeout=2).status_code == 200:
-        return proc, url, time.time() - t0
-    except requests.RequestException:
-      pass
-    time.sleep(0.25)
-  proc.kill()
-  raise TimeoutError("server did not become healthy")
+  env = dict(BITDELTA_CACHE=str(cache), BITDELTA_COMPILE_CACHE="1", JAX_PLATFORMS="cpu")
+  proc, url, seconds, _ = server.start(cmd, port, log, env=env, poll_s=0.25)
+  return proc, url, seconds
 
 
 def battery(url: str) -> dict:
@@ -159,7 +142,7 @@ def run(which: str, starts: int, tmp: pathlib.Path) -> dict:
 def render(res: dict) -> str:
   m = res["machine"]
   lines = ["# Restarts: the same server started again and again with one cache", "",
-           f"`python bench/restart_check.py` on {m['cpu']}, {m['cores']} cores, jax "
+           f"`python -m bench restarts` on {m['cpu']}, {m['cores']} cores, jax "
            f"{m.get('jax')}. Before start 3 the step files are removed (as an upgrade does); "
            "start 1 is cold. Every start answers a chat message, `n: 2` on the prompt `[42]`, "
            "`logprobs` and a JSON schema for every model, and prompts of "
@@ -187,7 +170,7 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--which", choices=("demo", "real", "both"), default="both")
   ap.add_argument("--starts", type=int, default=10)
-  ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+  ap.add_argument("--out", default=str(results_dir("serving")))
   args = ap.parse_args(argv)
   res: dict = {"machine": describe()}
   labels = {"demo": "`bitdelta demo` (nano and its 6 variants)",
@@ -197,7 +180,7 @@ def main(argv=None) -> int:
     for which in (("demo", "real") if args.which == "both" else (args.which,)):
       res[which] = {"label": labels[which], **run(which, args.starts, pathlib.Path(tmp))}
   out = pathlib.Path(args.out)
-  (out / "restarts.json").write_text(json.dumps(res, indent=1))
+  report.write_json(out / "restarts.json", res, indent=1)
   (out / "restarts.md").write_text(render(res))
   print(render(res))
   bad = [r for w in ("demo", "real") if w in res for r in res[w]["starts"]

@@ -1,7 +1,7 @@
 """Serving bench: many variants behind one endpoint vs the base alone vs one model per variant.
 
-    python bench/serve_bench.py                 # built-in family if shipped, else synthetic
-    python bench/serve_bench.py --quick         # fewer requests (smoke run)
+    python -m bench serve                 # built-in family if shipped, else synthetic
+    python -m bench serve --quick         # fewer requests (smoke run)
 
 Runs the real server (`serving.app.ServerThread`) on a loopback port and drives it over HTTP
 with streaming requests (concurrency 16):
@@ -18,7 +18,7 @@ with streaming requests (concurrency 16):
 5. **memory for 14 variants**: base + 14 deltas vs the base, and vs 14 full copies (checkpoint
    bytes), plus the device bytes of the slot bank.
 
-Writes bench/results/serve_bench.{json,md,png}.
+Writes bench/results/serving/serve_bench.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.paths import results_dir
 
 # A synthetic family big enough that weights, not overheads, dominate (~12M params, bf16).
 BENCH_SYNTH = dict(vocab_size=264, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -259,7 +258,7 @@ def memory(base: pathlib.Path, variants: dict, server, n: int = 14) -> dict:
 # -- report -------------------------------------------------------------------------------------
 def write(res: dict, out: pathlib.Path) -> None:
   out.mkdir(parents=True, exist_ok=True)
-  (out / "serve_bench.json").write_text(json.dumps(res, indent=1))
+  report.write_json(out / "serve_bench.json", res, indent=1)
   b, m, s, c, mem, tt = (res["base_only"], res["mixed"], res["swap_full_models"], res["cold_load"],
                          res["memory"], res["resident_ttft"])
   g = res["goals"]
@@ -347,13 +346,12 @@ def main(argv=None):
   ap.add_argument("--cold-reps", type=int, default=5)
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--work", default=None, help="where the synthetic family is built (cached)")
-  ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+  ap.add_argument("--out", default=str(results_dir("serving")))
   a = ap.parse_args(argv)
   if a.quick:
     a.requests, a.cold_reps = 64, 2
 
-  from machine import describe
-
+  from bench.common.machine import describe
   from serving.app import ServerThread
   from serving.config import ServerConfig
 

@@ -1,7 +1,7 @@
 """Serving bench on the real model (SmolLM2-135M-Instruct, f32): the server against transformers.
 
-    python bench/serve_real_bench.py            # ~15-25 min on a 2-core machine
-    python bench/serve_real_bench.py --quick    # fewer requests
+    python -m bench serve_real            # ~15-25 min on a 2-core machine
+    python -m bench serve_real --quick    # fewer requests
 
 Side by side in one run, on the same prompts (chat-formatted with the model's own template,
 which carries a shared default system prompt), greedy, every request generating exactly
@@ -18,217 +18,36 @@ which carries a shared default system prompt), greedy, every request generating 
 The variants are synthetic full fine-tunes of the real base: every linear weight and norm moves
 by ‖Δ‖/‖W‖ ≈ 0.2% (what real full fine-tunes of this model measure), compressed with
 ``bitdelta compress``; their values do not change the cost of serving them. Each scenario runs
-once unmeasured first (compiles), then measured. Writes bench/results/serve_real.{json,md,png}.
+once unmeasured first (compiles), then measured. Writes bench/results/serving/serve_real.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import pathlib
-import socket
 import statistics
-import subprocess
 import sys
-import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+from bench.common import report
+from bench.common.load import QUESTIONS, pct, serve
+from bench.common.paths import results_dir
+from bench.common.peers import HF
+from bench.common.random_models import make_variants
+from bench.common.server import free_port, start_server, stop_server
 
-QUESTIONS = [
-  "What is the capital of France?", "Give me three tips for sleeping better.",
-  "Write a haiku about the sea.", "Explain photosynthesis in one paragraph.",
-  "What is 17 times 23?", "Name the planets of the solar system.",
-  "How do I reverse a list in Python?", "What causes rain?",
-  "Summarize the plot of Romeo and Juliet.", "Why is the sky blue?",
-  "Translate 'good morning' into Spanish.", "What is a prime number?",
-  "Suggest a name for a pet turtle.", "How does a refrigerator work?",
-  "What are the benefits of exercise?", "Describe a cat to someone who has never seen one.",
-]
 GOALS = {"single_stream": 1.2, "concurrent8": 1.5, "ttft32": 3.0, "mixed": 0.9,
          "resident_ttft": 1.10}
-
-
-def pct(xs, p):
-  xs = sorted(xs)
-  return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
-
-
-# -- variants ---------------------------------------------------------------------------------
-def make_variants(base: pathlib.Path, root: pathlib.Path, names=("v1", "v2", "v3emb")) -> dict:
-  """Compressed synthetic full fine-tunes (cached); the last one also changes the embedding."""
-  import numpy as np
-  from safetensors.numpy import load_file, save_file
-
-  from bitdelta_jax.delta.compress import CompressPolicy
-  from bitdelta_jax.delta.stream import compress_checkpoints
-
-  out = {}
-  tensors = None
-  for i, name in enumerate(names):
-    d = root / name
-    out[name] = d
-    if (d / "manifest.json").exists():
-      continue
-    if tensors is None:
-      tensors = load_file(str(base / "model.safetensors"))
-    rng = np.random.default_rng(100 + i)
-    ft = {}
-    for k, a in tensors.items():
-      change = a.ndim == 2 and ("embed" not in k or name.endswith("emb")) or "norm" in k
-      if change:
-        rms = float(np.sqrt(np.mean(a.astype(np.float64) ** 2)))
-        a = (a + rng.normal(0, 0.002 * rms, a.shape)).astype(a.dtype)
-      ft[k] = a
-    ftdir = root / f"{name}-ft"
-    ftdir.mkdir(parents=True, exist_ok=True)
-    save_file(ft, str(ftdir / "model.safetensors"), metadata={"format": "pt"})
-    for f in ("config.json",):
-      (ftdir / f).write_bytes((base / f).read_bytes())
-    compress_checkpoints(base, ftdir, d, CompressPolicy(), progress=False)
-    for f in ftdir.iterdir():
-      f.unlink()
-    ftdir.rmdir()
-  return out
-
-
-# -- the server -------------------------------------------------------------------------------
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def launch_server(base, variants, port, log, *, device_slots: int = 4, extra: tuple = (),
-                  env: dict | None = None):
-  """`bitdelta serve` as a subprocess (base id "base"), not waited for (`wait_healthy`).
-  ``extra``: more CLI arguments (e.g. ``("--dtype", "bfloat16")``); ``env``: variables set
-  over this process's environment for the server."""
-  cmd = [sys.executable, "-m", "bitdelta_jax.cli", "serve", "--base", str(base), "--port",
-         str(port), "--max-batch", "32", "--max-seq-len", "2048", "--device-slots",
-         str(device_slots), "--base-name", "base", *extra]
-  for n, d in variants.items():
-    cmd += ["--variant", f"{n}={d}"]
-  return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                          env=None if env is None else {**os.environ, **env})
-
-
-def wait_healthy(proc, port, log, t0=None, timeout_s=1800):
-  """Seconds from ``t0`` (default: now) until the server's /health answers 200."""
-  import requests
-
-  t0 = time.time() if t0 is None else t0
-  while time.time() - t0 < timeout_s:
-    if proc.poll() is not None:
-      raise RuntimeError(f"server exited with {proc.returncode}; see {log.name}")
-    try:
-      if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-        return time.time() - t0
-    except requests.RequestException:
-      pass
-    time.sleep(1)
-  proc.kill()
-  raise TimeoutError("server did not become healthy")
-
-
-def start_server(base, variants, port, log, **kw):
-  t0 = time.time()
-  proc = launch_server(base, variants, port, log, **kw)
-  return proc, wait_healthy(proc, port, log, t0)
-
-
-def stop_server(proc, timeout_s=60):
-  proc.terminate()
-  try:
-    proc.wait(timeout_s)
-  except subprocess.TimeoutExpired:
-    proc.kill()
-
-
-async def run_requests(url, jobs, concurrency, max_tokens):
-  """jobs: [(model, prompt)]. Streams each; returns per-request records and the wall time."""
-  import aiohttp
-
-  sem = asyncio.Semaphore(concurrency)
-  recs = [None] * len(jobs)
-
-  async def one(session, i, model, prompt):
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    async with sem:
-      t0 = time.perf_counter()
-      ttft, tokens, text = None, 0, []
-      async with session.post(url + "/v1/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-          line = line.strip()
-          if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-          ev = json.loads(line[6:])
-          if ev.get("choices"):
-            if ttft is None:
-              ttft = time.perf_counter() - t0
-            text.append(ev["choices"][0].get("text", ""))
-          if ev.get("usage"):
-            tokens = ev["usage"]["completion_tokens"]
-      recs[i] = {"model": model, "ttft": ttft, "tokens": tokens, "text": "".join(text),
-                 "latency": time.perf_counter() - t0}
-
-  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64),
-                                   timeout=aiohttp.ClientTimeout(total=3600)) as s:
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(s, i, m, p) for i, (m, p) in enumerate(jobs)))
-    wall = time.perf_counter() - t0
-  return recs, wall
-
-
-def serve(url, jobs, concurrency, max_tokens, warm=True):
-  if warm:
-    asyncio.run(run_requests(url, jobs, concurrency, max_tokens))
-  return asyncio.run(run_requests(url, jobs, concurrency, max_tokens))
-
-
-# -- transformers -----------------------------------------------------------------------------
-class HF:
-  def __init__(self, base):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.set_num_threads(os.cpu_count() or 2)
-    self.torch = torch
-    self.tok = AutoTokenizer.from_pretrained(base)
-    self.tok.padding_side = "left"
-    if self.tok.pad_token is None:
-      self.tok.pad_token = self.tok.eos_token
-    self.model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32).eval()
-
-  def render(self, q):
-    return self.tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                        add_generation_prompt=True)
-
-  def generate(self, prompts, max_tokens):
-    enc = self.tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    with self.torch.no_grad():
-      t0 = time.perf_counter()
-      out = self.model.generate(**enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                do_sample=False, pad_token_id=self.tok.pad_token_id)
-      wall = time.perf_counter() - t0
-    new = out[:, enc["input_ids"].shape[1]:]
-    return [self.tok.decode(r, skip_special_tokens=True) for r in new], new.numel(), wall
 
 
 # -- main -------------------------------------------------------------------------------------
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serve_real"))
+  ap.add_argument("--out", default=str(results_dir("serving") / "serve_real"))
   ap.add_argument("--work", default=os.path.expanduser("~/.cache/bitdelta_jax/bench/real"))
   args = ap.parse_args(argv)
-  from machine import describe
-
+  from bench.common.machine import describe
   from bitdelta_jax.zoo.real_base import import_real_base
 
   work = pathlib.Path(args.work)
@@ -331,7 +150,7 @@ def main(argv=None) -> int:
 
 def write(res, out: pathlib.Path):
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+  report.write_json(out.with_suffix(".json"), res, indent=1)
   s, c8, t32, mx, rt = (res[k] for k in ("single_stream", "concurrent8", "ttft32", "mixed",
                                           "resident_ttft"))
   m = res["machine"]
@@ -340,7 +159,7 @@ def write(res, out: pathlib.Path):
     "# Serving the real model: bitdelta serve vs transformers",
     "",
     f"{res['model']}, greedy, {res['max_tokens']} tokens per request (`ignore_eos`), "
-    f"`python bench/serve_real_bench.py`. Machine: {m['cpu']}, {m['cores']} cores, "
+    f"`python -m bench serve_real`. Machine: {m['cpu']}, {m['cores']} cores, "
     f"jax {m.get('jax')} ({m.get('backend')}).",
     "",
     "| scenario | bitdelta serve | reference | ratio | goal | |",

@@ -34,7 +34,7 @@ component. A budget is a fraction of the bf16 bytes of the weight (``2·K·N``),
 
 Which to use: on the built-in family (128-wide layers) ``delta-come`` is the best at every
 budget from 1/16 to 1/8, and at ≤ 1/15 D-QRELO has no room left beyond its sign plane
-(bench/results/delta_modes.md); on wide layers the low-rank part is relatively much cheaper.
+(bench/results/compress/delta_modes.md); on wide layers the low-rank part is relatively much cheaper.
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ tree; the zarr arrays can still be read into any sharding chunk by chunk.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -291,21 +290,6 @@ def save_delta(out: str | os.PathLike, delta: Mapping[str, Entry], *, base_finge
     for name, entry in delta.items():
       w.add(name, entry)
     return w.finish(base_fingerprint=base_fingerprint, report=report, policy=policy, extra=extra)
-
-
-def fingerprint(tensors: Mapping[str, tuple[tuple[int, ...], str, int | None]], *,
-                quantization: dict | None = None) -> dict:
-  """A base fingerprint from ``{name: (shape, dtype, crc32)}``; ``digest`` hashes it all.
-
-  ``quantization`` (a GGUF base: its file and formats, `gguf_checkpoint.quantization`) is
-  recorded beside the tensors for the error messages; the tensors of such a base are its
-  dequantized values, so it takes no part in the digest."""
-  entries = {n: {"shape": list(s), "dtype": d, "crc32": c} for n, (s, d, c) in sorted(tensors.items())}
-  digest = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()
-  out = {"tensors": entries, "digest": digest}
-  if quantization:
-    out["quantization"] = quantization
-  return out
 
 
 def describe_base(base_fp: dict) -> str:

@@ -17,7 +17,6 @@ import json
 import math
 import re
 import shutil
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -43,13 +42,15 @@ from bitdelta_jax.delta.store import (
   DeltaWriter,
   check_base,
   crc32,
-  fingerprint,
   is_portable,
   load_entry,
   read_manifest,
   stored_embeddings,  # noqa: F401  (re-exported: its home was here)
 )
+from bitdelta_jax.hf.checkpoints import open_checkpoint
+from bitdelta_jax.hf.fingerprint import Crc, fingerprint, with_source
 from bitdelta_jax.hf.gguf_checkpoint import is_gguf_dir, quantization, resolve_base
+from bitdelta_jax.hf.lineage_record import source_of
 from bitdelta_jax.hf.safetensors_io import CheckpointReader, SafetensorsWriter
 
 CHUNK_BYTES = 32 << 20
@@ -220,14 +221,6 @@ def _same_stream(name: str, base: CheckpointReader, ft: CheckpointReader, base_c
   return same
 
 
-class _Crc:
-  def __init__(self):
-    self.value = 0
-
-  def update(self, a: np.ndarray):
-    self.value = zlib.crc32(memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)), self.value)
-
-
 def _read_config(d: Path) -> dict:
   p = Path(d) / "config.json"
   if not p.exists():
@@ -333,9 +326,7 @@ def compress_checkpoints(
                      f"serves over it and over every GGUF quantized from it")
     base_dir = Path(base_source)
   elif is_gguf_dir(base_dir):
-    from bitdelta_jax.hf import lineage
-
-    rec = lineage.source_of(base_dir)
+    rec = source_of(base_dir)
     if rec:
       pre_notes.append(f"{quantization(base_dir)['file']} was quantized from {rec['name']}: "
                        f"pass --base-source DIR (that checkpoint) to take Δ against it instead "
@@ -345,7 +336,7 @@ def compress_checkpoints(
                      f"got {embeddings!r}")
   if policy.mode != "bitdelta" and embeddings == "1bit":
     raise ValueError(f"embeddings={embeddings!r} is implemented for mode 'bitdelta' only")
-  with CheckpointReader(base_dir) as base, CheckpointReader(ft_dir) as ft:
+  with open_checkpoint(base_dir) as base, open_checkpoint(ft_dir) as ft:
     grown_rows = check_pair(base, ft, policy)
     lines, fp, norm_ratios, choices = [], {}, {}, {}
     requantizes = getattr(base, "requantizes_same", None)  # a GGUF base without its source
@@ -355,7 +346,7 @@ def compress_checkpoints(
       with tqdm(ft.names(), desc=desc, unit="tensor", disable=not progress) as bar:
         for name in bar:
           info = ft.info(name)
-          crc = _Crc()
+          crc = Crc()
           if name not in base:
             entry = Dense("value", ft.read(name))
             line = TensorReport(name, "value", info.shape, info.dtype.name, info.nbytes,
@@ -484,52 +475,6 @@ def _compress_vocab(name, base: CheckpointReader, ft: CheckpointReader, policy, 
                              entry.nbytes, 0.0, note=note)
 
 
-def fingerprint_checkpoint(base_dir, *, content: bool = True) -> dict:
-  """The fingerprint of an HF base directory (reads every tensor when ``content``).
-
-  A GGUF base's content fingerprint (every tensor dequantized) is computed once per file and
-  kept in its metadata directory (which is keyed by the file's path, size and mtime)."""
-  base_dir = resolve_base(base_dir)
-  cached = Path(base_dir) / "dequantized_fingerprint.json"
-  if content and cached.is_file():
-    fp = json.loads(cached.read_text())
-  else:
-    fp = _fingerprint_tensors(base_dir, content)
-    if content and is_gguf_dir(base_dir):
-      tmp = cached.with_suffix(".tmp")
-      tmp.write_text(json.dumps(fp))
-      tmp.replace(cached)
-  return with_source(fp, base_dir)
-
-
-def with_source(fp: dict, base_dir) -> dict:
-  """``fp`` with the GGUF base's source (`bitdelta_jax.hf.lineage`), if one is known:
-  ``"source": {"name", "digest", "how"}``, what lets a delta made against that source load."""
-  from bitdelta_jax.hf import lineage
-
-  src = lineage.source_of(base_dir) if is_gguf_dir(base_dir) else None
-  if src:
-    fp = {**fp, "source": {"name": src["name"], "digest": src["fingerprint"]["digest"],
-                           "how": src["how"]}}
-  return fp
-
-
-def _fingerprint_tensors(base_dir: Path, content: bool) -> dict:
-  with CheckpointReader(base_dir) as r:
-    ent = {}
-    for n in r.names():
-      t = r.info(n)
-      c = None
-      if content:
-        crc = _Crc()
-        step = _rows_per_chunk(t.shape or (1,), t.dtype.itemsize)
-        for r0 in range(0, (t.shape or (1,))[0], step):
-          crc.update(r.read_rows(n, r0, r0 + step))
-        c = crc.value
-      ent[n] = (t.shape, t.dtype.name, c)
-  return fingerprint(ent, quantization=quantization(base_dir))
-
-
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "chat_template.jinja", "added_tokens.json",
@@ -609,7 +554,7 @@ def apply_checkpoint(base_dir, delta_dir, out_dir, *, overwrite: bool = False,
   manifest = read_manifest(delta_dir)
   delta_dir = Path(delta_dir)
   base_dir = resolve_base(base_dir)
-  with CheckpointReader(base_dir) as base:
+  with open_checkpoint(base_dir) as base:
     # Cheap structural check first (names, shapes, dtypes); content crc is checked per tensor.
     structural = with_source(fingerprint({n: (base.info(n).shape, base.info(n).dtype.name, None)
                                           for n in base.names()}), base_dir)

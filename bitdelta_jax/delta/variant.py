@@ -4,6 +4,7 @@
     v.kind, v.manifest, v.nbytes, v.lora_rank  # "delta" | "lora"
     v.added_tokens(vocab_size), v.tokenizer_dir()
     banks_for([v.manifest], vocab_size)        # the slot banks it needs (`models.banks`)
+    kw = bank_options(["deltas/math", "adapters/code"], vocab_size=49152)   # from directories
     payload = v.slot_payload(base_fingerprint=fp)       # what `runner.load_variant` takes
     payload = v.slot_payload(by_shards=True)            # on a mesh: each process its slices
 
@@ -18,10 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for manifest sizes)
 import numpy as np
+
+from bitdelta_jax.models.banks import added_tokens, banks_for
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -76,8 +81,6 @@ class VariantDir:
     return manifest_bytes(self.manifest) if self.kind == "delta" else 0
 
   def added_tokens(self, vocab_size: int) -> int:
-    from bitdelta_jax.models.banks import added_tokens
-
     return added_tokens(self.manifest, vocab_size) if self.kind == "delta" else 0
 
   def tokenizer_dir(self) -> Path | None:
@@ -115,3 +118,10 @@ def open_variant(path) -> VariantDir:
   from bitdelta_jax.delta.store import read_manifest
 
   return VariantDir(p, "delta", read_manifest(p))
+
+
+def bank_options(variants: Iterable[str | os.PathLike], vocab_size: int) -> dict:
+  """``from_pretrained`` keyword arguments whose banks fit every variant directory (deltas
+  and PEFT LoRA adapters): ``dense_embedding_slots``, ``packed_embedding_slots``,
+  ``lora_rank``, ``extra_vocab`` (rounded up to 64)."""
+  return banks_for([open_variant(v).manifest for v in variants], vocab_size).model_kwargs()

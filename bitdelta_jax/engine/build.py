@@ -65,7 +65,7 @@ def blocks_only(base) -> bool:
   """Whether ``base`` is a GGUF base whose every decoder linear weight is in ggml blocks: its
   steps derive nothing from the weights outside the block kernel (`quant_matmul`, any number of
   rows, each slot's delta fused), so XLA's default CPU scheduler keeps nothing large alive and
-  `memory_scheduler` is not needed. Measured (bench/results/memory.md): SmolLM2 Q4_1 peaks at
+  `memory_scheduler` is not needed. Measured (bench/results/engine/memory.md): SmolLM2 Q4_1 peaks at
   2670 vs 2652 MiB and a 7B-shaped Q4_0 at ~the same with either scheduler once steps past 512
   rows took the kernel, and the default decodes SmolLM2 Q4_1 ~7-9% faster."""
   from bitdelta_jax.hf.gguf_checkpoint import GGUF_BASE_FILE, is_gguf_dir
@@ -93,7 +93,7 @@ def memory_scheduler() -> bool:
   weights alone (dequantized GGUF blocks, W + α⊙S expansions) for every unrolled layer up front
   and keeps them all alive: SmolLM2 Q4_1's 544-token step needed 2485 MB of temporaries (1.5 GB
   of dequantized weights) instead of 307 MB, 2x its weights and KV pool together
-  (`bench/results/memory.md`). The per-compile option (``compile(compiler_options)``) is
+  (`bench/results/engine/memory.md`). The per-compile option (``compile(compiler_options)``) is
   accepted but does not reach the scheduler in jax 0.10's CPU client, hence the flag."""
   flags = os.environ.get("XLA_FLAGS", "")
   if _SCHEDULER_FLAG not in flags:

@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.hf import gguf_import, gguf_validate, lineage
-from bitdelta_jax.hf.gguf_import import GGUFImportError
+from bitdelta_jax.hf import gguf_import, gguf_validate, lineage_record
+from bitdelta_jax.hf.gguf_names import GGUFImportError, hf_tensor_name, permute_rows, unpermute_rows
 from pallas_kernels.quant_matmul import blocks
 
 GGUF_BASE_FILE = "gguf_base.json"  # = gguf_checkpoint.GGUF_BASE_FILE
@@ -70,7 +70,7 @@ class GGUFBase:
       self.config = gguf_import.hf_config(self._reader)
     except GGUFImportError as e:
       raise GGUFImportError(f"{self.path}: {e}") from None
-    self._tensors = {gguf_import.hf_tensor_name(t.name): t for t in self._reader.tensors}
+    self._tensors = {hf_tensor_name(t.name): t for t in self._reader.tensors}
     self._formats = _format_names()
 
   def names(self) -> list[str]:
@@ -131,8 +131,6 @@ class GGUFBase:
     qk = blocks.from_ggml_rows(self._stored(name), fmt, (k, n))
     heads = self._heads(name)
     if heads:
-      from bitdelta_jax.hf.gguf_export import permute_rows
-
       file_order = permute_rows(np.arange(n), heads)  # file row r holds HF row file_order[r]
       qk = blocks.permute_columns(qk, np.argsort(file_order))
     return qk
@@ -141,7 +139,7 @@ class GGUFBase:
     """The tensor's stored bytes as a fresh array shaped like the reader's view of them, read
     with one positioned read: touching them through the file's memory map instead kept every
     page read resident (file-backed RSS) while the model loaded, the size of the whole file on
-    top of the weights (`bench/results/memory.md`)."""
+    top of the weights (`bench/results/engine/memory.md`)."""
     t = self._tensor(name)
     out = np.empty(t.data.shape, t.data.dtype)  # the view's shape only: no page is touched
     view = memoryview(out.reshape(-1).view(np.uint8))
@@ -170,7 +168,7 @@ class GGUFBase:
     w = w.reshape(self.shape(name))
     heads = self._heads(name)
     if heads:
-      w = gguf_import.unpermute_rows(w, heads)
+      w = unpermute_rows(w, heads)
     return np.ascontiguousarray(w)
 
   def fingerprint(self) -> str:
@@ -183,7 +181,7 @@ class GGUFBase:
       step = _HASH_CHUNK // 3060 * 3060  # whole blocks of every checked format (34, 18, 20 B)
       for i in range(0, flat.size, step):
         chunk = np.ascontiguousarray(flat[i:i + step])
-        gguf_validate.check_values(self.path, gguf_import.hf_tensor_name(t.name), fmt, chunk)
+        gguf_validate.check_values(self.path, hf_tensor_name(t.name), fmt, chunk)
         h.update(memoryview(chunk))
     return h.hexdigest()
 
@@ -216,7 +214,7 @@ def write_metadata_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike)
   tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
   try:
     gguf_import.write_config_files(base._reader, tmp)
-    lineage.record_from_file(base._reader, tmp, base.path.name)  # `bitdelta quantize`'s source
+    lineage_record.record_from_file(base._reader, tmp, base.path.name)  # quantize's source
     gguf_import.dump_json(tmp / GGUF_BASE_FILE, {
       "gguf": str(base.path.resolve()),
       "size": base.path.stat().st_size,

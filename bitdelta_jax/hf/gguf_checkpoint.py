@@ -7,7 +7,7 @@ take a GGUF base wherever they take a base directory. Two readers then see its w
 
 * `bitdelta_jax.models.loading.from_pretrained` keeps Q8_0 / Q4_0 / Q4_1 tensors in their ggml
   blocks (`pallas_kernels.quant_matmul.QuantizedKernel`): a dequantized copy never exists.
-* `GGUFCheckpoint` (what `CheckpointReader` returns for such a directory) reads each tensor
+* `GGUFCheckpoint` (what `open_checkpoint` returns for such a directory) reads each tensor
   dequantized to f32 in HF layout: what a fine-tune's delta is taken against (Δ = W_ft −
   dequant(W_q)) and what the base fingerprint is computed over. The fingerprint's per-tensor
   CRCs are therefore those of the f32 checkpoint `bitdelta zoo real-base` writes from the same
@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bitdelta_jax.hf.gguf_names import permute_rows
 from bitdelta_jax.hf.safetensors_io import CheckpointError, CheckpointReader, TensorInfo
 
 GGUF_BASE_FILE = "gguf_base.json"
@@ -118,7 +119,6 @@ class GGUFCheckpoint(CheckpointReader):
     a tensor the fine-tune left unchanged (an embedding, say) is told from the base's rounding
     without the source checkpoint. Compared a block of rows at a time; False at the first
     difference, for a non-block format, or for another shape."""
-    from bitdelta_jax.hf.gguf_export import permute_rows
     from pallas_kernels.quant_matmul.blocks import FORMATS, quantize_rows
 
     fmt = self.formats.get(name)

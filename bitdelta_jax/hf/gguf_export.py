@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from bitdelta_jax.hf.gguf_import import _LAYER_NAMES, _TOP_NAMES, GGUFImportError
+from bitdelta_jax.hf.gguf_names import GGUFExportError, gguf_tensor_name, permute_rows
 from pallas_kernels.quant_matmul.blocks import block_bytes, quantize_rows
 
 QUANTIZED = ("q8_0", "q4_0", "q4_1")
@@ -45,33 +45,6 @@ DTYPES = ("f32", "bf16", *QUANTIZED)
 CHUNK_ELEMENTS = 1 << 20  # weights converted at once (4 MB in f32; the quantizer makes ~8 temporaries)
 _BLOCK = 32  # weights per ggml block, along K
 _NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
-
-_GGUF_LAYER = {hf: gg for gg, hf in _LAYER_NAMES.items()}
-_GGUF_TOP = {hf: gg for gg, hf in _TOP_NAMES.items()}
-
-
-class GGUFExportError(GGUFImportError):
-  """A checkpoint this exporter does not write exactly."""
-
-
-def gguf_tensor_name(hf_name: str) -> str:
-  if hf_name in _GGUF_TOP:
-    return _GGUF_TOP[hf_name]
-  parts = hf_name.split(".", 3)  # model.layers.N.rest
-  if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _GGUF_LAYER:
-    return f"blk.{int(parts[2])}.{_GGUF_LAYER[parts[3]]}"
-  raise GGUFExportError(f"tensor {hf_name!r} has no llama.cpp counterpart")
-
-
-def permute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-  """llama.cpp's q/k ``permute``: per head, rows ``[0, d/2, 1, d/2 + 1, ...]`` (inverse of
-  `gguf_import.unpermute_rows`)."""
-  rows = w.shape[0]
-  if rows % (2 * num_heads):
-    raise GGUFExportError(f"{rows} rows do not split into {num_heads} heads of even size")
-  return (
-    w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-  )
 
 
 def _check_config(cfg: dict[str, Any]) -> float:
@@ -230,7 +203,7 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
                   ) -> None:
   import gguf
 
-  from bitdelta_jax.hf import lineage
+  from bitdelta_jax.hf import lineage_record
 
   hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
   head_dim = cfg.get("head_dim") or hidden // heads
@@ -272,8 +245,8 @@ def _add_metadata(w, cfg: dict[str, Any], tok: dict[str, Any], dtype: str, name:
   if tok["chat_template"]:
     w.add_chat_template(tok["chat_template"])
   if source is not None:  # the checkpoint these weights came from (`bitdelta_jax.hf.lineage`)
-    w.add_string(lineage.SOURCE_NAME_KEY, source[0])
-    w.add_string(lineage.SOURCE_KEY, json.dumps(source[1], sort_keys=True))
+    w.add_string(lineage_record.SOURCE_NAME_KEY, source[0])
+    w.add_string(lineage_record.SOURCE_KEY, json.dumps(source[1], sort_keys=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -376,7 +349,7 @@ def write_gguf(
   """
   import gguf
 
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
 
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
@@ -394,11 +367,11 @@ def write_gguf(
   tok = tokenizer_metadata(d, cfg["vocab_size"])
   source = None
   if record_source:
-    from bitdelta_jax.delta.stream import fingerprint_checkpoint
+    from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
 
     fp = fingerprint_checkpoint(d)
     source = (d.resolve().name, {"tensors": fp["tensors"], "digest": fp["digest"]})
-  with CheckpointReader(d) as reader:
+  with open_checkpoint(d) as reader:
     plan = _plan(reader, cfg, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:12]}.partial")  # mode from the umask

@@ -4,8 +4,9 @@ Tensors are dequantized to float32 with the `gguf` package (llama.cpp's numpy re
 the routine transformers' GGUF loader calls too) and renamed to the HF names. llama.cpp's
 converter reorders the rows of every q_proj / k_proj head from HF's "rotate half" RoPE layout
 (pairs ``(i, i + d/2)``) to the interleaved one ggml's RoPE reads (pairs ``(2i, 2i + 1)``);
-`unpermute_rows` undoes that, per kv head for k_proj (GQA). Without an ``output.weight`` tensor
-the LM head is the embedding (``tie_word_embeddings``) and no ``lm_head.weight`` is written.
+`gguf_names.unpermute_rows` undoes that, per kv head for k_proj (GQA). Without an
+``output.weight`` tensor the LM head is the embedding (``tie_word_embeddings``) and no
+``lm_head.weight`` is written.
 
 The tokenizer is rebuilt from the metadata as a byte-level BPE `tokenizers.Tokenizer`: the
 file's vocabulary (already spelled in GPT-2's byte alphabet), its merges, its control tokens as
@@ -19,37 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bitdelta_jax.hf.gguf_names import GGUFImportError, hf_tensor_name, unpermute_rows
 from bitdelta_jax.hf.safetensors_io import SafetensorsWriter
-
-
-class GGUFImportError(ValueError):
-  """A GGUF file this importer does not convert exactly."""
-
-
-# GGUF tensor name (``blk.N.`` stripped) → HF name (``model.layers.N.`` stripped).
-_LAYER_NAMES = {
-  "attn_norm.weight": "input_layernorm.weight",
-  "attn_q.weight": "self_attn.q_proj.weight",
-  "attn_k.weight": "self_attn.k_proj.weight",
-  "attn_v.weight": "self_attn.v_proj.weight",
-  "attn_output.weight": "self_attn.o_proj.weight",
-  "ffn_norm.weight": "post_attention_layernorm.weight",
-  "ffn_gate.weight": "mlp.gate_proj.weight",
-  "ffn_up.weight": "mlp.up_proj.weight",
-  "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_NAMES = {
-  "token_embd.weight": "model.embed_tokens.weight",
-  "output_norm.weight": "model.norm.weight",
-  "output.weight": "lm_head.weight",
-}
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -60,25 +38,6 @@ def field(reader, key: str, default: Any = None) -> Any:
   return default if f is None else f.contents()
 
 
-def hf_tensor_name(gguf_name: str) -> str:
-  m = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-  if m and m.group(2) in _LAYER_NAMES:
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-  if gguf_name in _TOP_NAMES:
-    return _TOP_NAMES[gguf_name]
-  raise GGUFImportError(f"GGUF tensor {gguf_name!r} has no counterpart in a HF Llama checkpoint")
-
-
-def unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
-  """Inverse of llama.cpp's q/k ``permute``: per head, rows ``[0, 2, 4, ..., 1, 3, 5, ...]``."""
-  rows = w.shape[0]
-  half = rows // num_heads // 2
-  if rows != num_heads * 2 * half:
-    raise GGUFImportError(f"{rows} rows do not split into {num_heads} heads of even size")
-  return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# -- config --------------------------------------------------------------------------------------
 def _shortest_f32(x: float) -> float:
   """The float32 metadata value as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
   return float(str(np.float32(x)))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bitdelta_jax.hf.gguf_import import GGUFImportError
+from bitdelta_jax.hf.gguf_names import GGUFImportError
 
 _MAGIC = b"GGUF"
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # type → bytes

@@ -6,13 +6,14 @@ with ``Δ = W_ft − W_S``, so the base's rounding is never stored and one delta
 bf16 GPU deployment and a Q4_0 CPU one. A GGUF's *source* is established two ways:
 
 * ``bitdelta quantize`` records S's content fingerprint in the file's metadata
-  (`SOURCE_KEY`: the JSON of `bitdelta_jax.delta.store.fingerprint`, `SOURCE_NAME_KEY`: S's
-  directory name); `record_from_file` copies it into the file's metadata directory when that is
-  first made.
+  (`lineage_record.SOURCE_KEY`: the JSON of `bitdelta_jax.hf.fingerprint.fingerprint`,
+  `lineage_record.SOURCE_NAME_KEY`: S's directory name); `lineage_record.record_from_file`
+  copies it into the file's metadata directory when that is first made.
 * For a GGUF made elsewhere, ``--base-source S`` (`establish`): every tensor of the file is
   checked to be a quantization of S's tensor within its format's error bound (`check_tensor`),
-  and S's fingerprint is computed; both are kept in the metadata directory (`SOURCE_FILE`),
-  which is keyed by the file's path, size and mtime, so the check runs once per file.
+  and S's fingerprint is computed; both are kept in the metadata directory
+  (`lineage_record.SOURCE_FILE`), which is keyed by the file's path, size and mtime, so the
+  check runs once per file.
 
 `bitdelta_jax.delta.store.check_base` accepts a delta whose base digest is the base's own or
 its source's; anything else is refused, naming both and the fix.
@@ -27,15 +28,13 @@ compressed against the file itself serves over it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-SOURCE_KEY = "bitdelta.source.fingerprint"
-SOURCE_NAME_KEY = "bitdelta.source.name"
-SOURCE_FILE = "source.json"
+from bitdelta_jax.hf.lineage_record import source_of, write_source
+
 # max |W_S − dequant(W_q)| per block, in units of the block's |d| (module docstring)
 BOUND_D = {"q8_0": 0.57, "q4_0": 1.01, "q4_1": 0.51}
 _FLOAT_REL = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
@@ -43,34 +42,6 @@ _FLOAT_REL = {"f32": 0.0, "f16": 2.0**-11, "bf16": 2.0**-8}
 
 class LineageError(ValueError):
   """A GGUF base is not a quantization of the named source checkpoint."""
-
-
-def source_of(base_dir: str | os.PathLike) -> dict | None:
-  """A GGUF base directory's source: ``{"name", "fingerprint", "how"}``, else None (an HF
-  base, or a GGUF whose source is unknown)."""
-  p = Path(base_dir) / SOURCE_FILE
-  if not p.is_file():
-    return None
-  return json.loads(p.read_text())
-
-
-def _write(base_dir: Path, record: dict) -> None:
-  tmp = base_dir / f".{SOURCE_FILE}.{os.getpid()}.tmp"
-  tmp.write_text(json.dumps(record))
-  tmp.replace(base_dir / SOURCE_FILE)
-
-
-def record_from_file(reader, out_dir: Path, file_name: str) -> None:
-  """Copies the source fingerprint ``bitdelta quantize`` wrote into a GGUF (``reader``: its
-  `gguf.GGUFReader`) into the metadata directory being built at ``out_dir``."""
-  field = reader.fields.get(SOURCE_KEY)
-  if field is None:
-    return
-  fp = json.loads(bytes(field.parts[field.data[0]]).decode())
-  name_field = reader.fields.get(SOURCE_NAME_KEY)
-  name = bytes(name_field.parts[name_field.data[0]]).decode() if name_field else "?"
-  _write(Path(out_dir), {"name": name, "fingerprint": fp,
-                         "how": f"recorded in {file_name} by bitdelta quantize"})
 
 
 def check_tensor(name: str, fmt: str, source_NxK: np.ndarray, base) -> str | None:
@@ -120,9 +91,9 @@ def establish(base_dir: str | os.PathLike, source_dir: str | os.PathLike, *,
   Raises:
     LineageError: a tensor differs beyond its format's bound, or the names / shapes differ.
   """
-  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
+  from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
   from bitdelta_jax.hf.gguf_checkpoint import gguf_file, is_gguf_dir
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
 
   base_dir, source_dir = Path(base_dir), Path(source_dir)
   if not is_gguf_dir(base_dir):
@@ -137,7 +108,7 @@ def establish(base_dir: str | os.PathLike, source_dir: str | os.PathLike, *,
 
   gguf = gguf_file(base_dir)
   base = open_gguf_base(gguf)
-  with CheckpointReader(source_dir) as src:
+  with open_checkpoint(source_dir) as src:
     names = base.names()
     tied_head = "lm_head.weight" in src and "lm_head.weight" not in names
     extra = sorted(set(src.names()) - set(names) - ({"lm_head.weight"} if tied_head else set()))
@@ -155,13 +126,5 @@ def establish(base_dir: str | os.PathLike, source_dir: str | os.PathLike, *,
   record = {"name": source_dir.resolve().name, "fingerprint": fp,
             "how": f"{gguf.name} checked against {source_dir.resolve().name} "
                    f"(every tensor within its format's rounding)"}
-  _write(base_dir, record)
+  write_source(base_dir, record)
   return record
-
-
-def forget(base_dir: str | os.PathLike) -> None:
-  """Removes a recorded source (tests, and a user who re-quantized in place)."""
-  p = Path(base_dir) / SOURCE_FILE
-  if p.is_file():
-    p.unlink()
-

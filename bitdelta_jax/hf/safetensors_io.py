@@ -95,15 +95,8 @@ def _file_tensors(path: Path) -> list[TensorInfo]:
 class CheckpointReader:
   """Lazily reads tensors from an HF directory (single or sharded safetensors) or one file.
 
-  A GGUF base's directory (`bitdelta_jax.hf.gguf_checkpoint.resolve_base`) gives a
-  `GGUFCheckpoint` instead: the same interface over its tensors dequantized to f32."""
-
-  def __new__(cls, path: str | os.PathLike = ""):
-    if cls is CheckpointReader and (Path(path) / "gguf_base.json").is_file():
-      from bitdelta_jax.hf.gguf_checkpoint import GGUFCheckpoint
-
-      return super().__new__(GGUFCheckpoint)
-    return super().__new__(cls)
+  `bitdelta_jax.hf.checkpoints.open_checkpoint` picks this or, for a GGUF base's directory, a
+  `GGUFCheckpoint` (the same interface over its tensors dequantized to f32)."""
 
   def __init__(self, path: str | os.PathLike):
     self.path = Path(path)

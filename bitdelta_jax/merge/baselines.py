@@ -90,7 +90,7 @@ def sum_models(x: jax.Array) -> jax.Array:
 
   The number of models is small and static. XLA CPU runs a reduce over a leading axis of size 2
   about 7x slower than the same adds written out (0.53 s against 0.075 s on a 49152x576 f32
-  embedding, bench/merge_speed_bench.py), and the adds keep mergekit's summation order."""
+  embedding, bench/merge/merge_speed.py), and the adds keep mergekit's summation order."""
   return functools.reduce(operator.add, [x[i] for i in range(x.shape[0])])
 
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bitdelta_jax.hf.checkpoints import open_checkpoint
 from bitdelta_jax.hf.safetensors_io import (
   INDEX_FILE,
   CheckpointError,
@@ -292,8 +293,8 @@ def run_merge(args) -> int:
   with OutputDir(out, kind="checkpoint", overwrite=args.overwrite) as target:
     tmp = target.tmp
     base_dir = Path(args.base or args.models[0])
-    base = CheckpointReader(base_dir)
-    models = [CheckpointReader(m) for m in args.models]
+    base = open_checkpoint(base_dir)
+    models = [open_checkpoint(m) for m in args.models]
     try:
       layout = _layout(base)
       out_dtype = {}

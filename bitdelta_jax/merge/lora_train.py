@@ -25,9 +25,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from bitdelta_jax.losses import masked_xent
 from bitdelta_jax.merge.lora import LoraAdapter, from_factors
 from bitdelta_jax.models.loading import hf_name
-from bitdelta_jax.zoo.train import masked_xent
 
 
 @dataclasses.dataclass(frozen=True)

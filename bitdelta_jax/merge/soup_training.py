@@ -189,7 +189,7 @@ def model_step_fns(graphdef, rest, optimizer: optax.GradientTransformation,
   ...)``: the step of `zoo.train.train` (donating), and the masked answer loss."""
   from flax import nnx
 
-  from bitdelta_jax.zoo.train import masked_xent
+  from bitdelta_jax.losses import masked_xent
 
   def xent(params, tokens, mask):
     return masked_xent(nnx.merge(graphdef, params, rest)(tokens), tokens, mask)

@@ -2,19 +2,18 @@
 
     banks = banks_for(manifests, vocab_size=49152)       # manifest dicts (a LoRA adapter's:
     model = from_pretrained(base, num_slots=3, **banks.model_kwargs())   # {"lora_rank": r})
-    kw = bank_options(["deltas/math", "adapters/code"], vocab_size=49152)   # from directories
 
 A variant whose embeddings / LM head changed exactly needs dense embedding banks, a 1-bit one
 packed banks, one that added tokens ``extra_vocab`` rows, a PEFT LoRA adapter or a delta with
 low-rank factors (manifest ``lora_rank``: dqrelo, svd, delta-come) LoRA banks of its rank. The
 server (`serving.app`), the engine (`engine.build`) and `from_pretrained(..., variants=...)`
-all ask here: it lives with the model, below both.
+all ask here: it lives with the model, below both, and below the variant directories
+(`bitdelta_jax.delta.variant.bank_options` reads their manifests and asks here).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable
 
 EMBEDDING_TENSORS = ("embed_tokens", "lm_head", "wte", "wpe")
@@ -78,12 +77,3 @@ def banks_for(manifests: Iterable[dict], vocab_size: int, *, embedding_slots: bo
   return Banks(dense if embedding_slots is None else bool(embedding_slots), packed,
                rank if lora_rank is None else int(lora_rank),
                -(-extra // 64) * 64 if extra_vocab is None else int(extra_vocab))
-
-
-def bank_options(variants: Iterable[str | os.PathLike], vocab_size: int) -> dict:
-  """``from_pretrained`` keyword arguments whose banks fit every variant directory (deltas
-  and PEFT LoRA adapters): ``dense_embedding_slots``, ``packed_embedding_slots``,
-  ``lora_rank``, ``extra_vocab`` (rounded up to 64)."""
-  from bitdelta_jax.delta.variant import open_variant
-
-  return banks_for([open_variant(v).manifest for v in variants], vocab_size).model_kwargs()

@@ -173,7 +173,7 @@ def from_pretrained(
   """
   path = resolve_base(path)  # FILE.gguf: its metadata directory
   if variants:
-    from bitdelta_jax.models.banks import bank_options
+    from bitdelta_jax.delta.variant import bank_options
 
     need = bank_options(variants, load_config(path).vocab_size)
     dense_embedding_slots |= need["dense_embedding_slots"]

@@ -13,7 +13,17 @@ The engine places its KV pages and step inputs itself (`bitdelta_jax.engine.mesh
 See docs/SCALING.md.
 """
 
-from bitdelta_jax.sharding.mesh import AXES, DATA, MODEL, make_mesh, mesh_spec, parse_mesh_spec
+from bitdelta_jax.sharding.mesh import (
+  AXES,
+  COLUMN,
+  DATA,
+  MODEL,
+  REPLICATED,
+  ROW,
+  make_mesh,
+  mesh_spec,
+  parse_mesh_spec,
+)
 from bitdelta_jax.sharding.ops import ShardedDeltaMatmul
 from bitdelta_jax.sharding.restore import (
   load_variant_sharded,
@@ -22,9 +32,6 @@ from bitdelta_jax.sharding.restore import (
   save_state,
 )
 from bitdelta_jax.sharding.rules import (
-  COLUMN,
-  REPLICATED,
-  ROW,
   PartitionRules,
   Plan,
   ShardingError,

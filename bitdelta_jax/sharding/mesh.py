@@ -17,6 +17,9 @@ from jax.sharding import AxisType, Mesh
 
 DATA, MODEL = "data", "model"
 AXES = (DATA, MODEL)
+# How a linear layer is split over ``model`` (`rules` decides, `ops` runs it): its output
+# columns, its input rows, or not at all.
+COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 
 
 def parse_mesh_spec(spec: str | None) -> dict[str, int]:

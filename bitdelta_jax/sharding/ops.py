@@ -25,8 +25,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from bitdelta_jax.delta.format import DEFAULT_GROUP_K
-from bitdelta_jax.sharding.mesh import DATA, MODEL
-from bitdelta_jax.sharding.rules import COLUMN, REPLICATED, ROW
+from bitdelta_jax.sharding.mesh import COLUMN, DATA, MODEL, REPLICATED, ROW
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bitdelta_jax.delta.store import _array_dir, read_array, read_manifest
+from bitdelta_jax.hf.checkpoints import open_checkpoint
 from bitdelta_jax.hf.safetensors_io import CheckpointError, CheckpointReader
 from bitdelta_jax.models import slots as slots_lib
 from bitdelta_jax.models.layers import SlotBank
@@ -97,7 +98,7 @@ def restore_base(
   abstract = nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
   plan = plan_model(abstract, dict(mesh.shape), rules)
   graphdef, state = nnx.split(abstract)
-  reader = CheckpointReader(path)
+  reader = open_checkpoint(path)
   kinds = {p: v for p, v in nnx.to_flat_state(state)}
   wanted = {hf_name(p)[0] for p, v in kinds.items() if not isinstance(v, SlotBank)}
   missing = sorted(wanted - set(reader.names()))

@@ -32,11 +32,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
-from bitdelta_jax.sharding.mesh import MODEL
+from bitdelta_jax.sharding.mesh import COLUMN, MODEL, REPLICATED, ROW
 
 log = logging.getLogger(__name__)
-
-COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 
 
 class ShardingError(ValueError):

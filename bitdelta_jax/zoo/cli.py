@@ -108,7 +108,7 @@ def add_zoo_parsers(sub) -> None:
   b.add_argument("--soup", default="none", choices=("none", "average", "svd", "monosoup"),
                  metavar="METHOD",
                  help="--real: checkpoint soups during each fine-tune (merge.soup_training: "
-                      "none, average, svd, monosoup; %(default)s; bench/results/soups_real.md)")
+                      "none, average, svd, monosoup; %(default)s; bench/results/merge/soups_real.md)")
   b.add_argument("--soup-every", type=int, default=16, metavar="N",
                  help="--real: merge every N steps (%(default)s)")
   b.add_argument("--out", default="nano-family", help="output directory")

@@ -16,6 +16,12 @@ def encode_example(prompt: str, answer: str) -> tuple[np.ndarray, int]:
   return np.concatenate([p, a]), len(p)
 
 
+def example_ids(examples) -> list[np.ndarray]:
+  """Each (prompt, answer) example's tokens (`encode_example`): what `distill_checkpoint` takes
+  as calibration."""
+  return [encode_example(p, a)[0] for p, a in examples]
+
+
 def encode_prompt(prompt: str) -> list[int]:
   return encode_example(prompt, "")[0][:-1].tolist()
 

@@ -26,6 +26,7 @@ from bitdelta_jax.models.slots import load_variant
 from bitdelta_jax.outputs import OutputError, atomic_write_bytes, atomic_write_text
 from bitdelta_jax.outputs import describe as describe_path
 from bitdelta_jax.zoo import cache_dir, shipped_family
+from bitdelta_jax.zoo.data import example_ids
 from bitdelta_jax.zoo.evaluate import exact_match_and_nll
 from bitdelta_jax.zoo.recipe import (
   ZooConfig,
@@ -54,7 +55,7 @@ def _layer_errors(delta_dir: Path) -> dict[str, float]:
 def evaluate_variant(name: str, base_dir: Path, ft_dir: Path, cfg: ZooConfig, n_eval: int,
                      work: Path, *, progress: bool = False) -> dict:
   held = TASKS[name].heldout(n_eval, cfg.seed)
-  calib = [TASKS[name].example(random.Random(f"{name}:calib:{i}")) for i in range(512)]
+  calib = example_ids(TASKS[name].example(random.Random(f"{name}:calib:{i}")) for i in range(512))
   dirs = {}
   for gran in ("matrix", "column"):
     d = work / f"{name}-{gran}"

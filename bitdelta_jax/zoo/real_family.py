@@ -68,7 +68,7 @@ class RealRecipe:
   weight_decay: float = 0.01
   seed: int = 0
   # checkpoint soups during training (`merge.soup_training`): "none" | "average" | "svd" |
-  # "monosoup", every `soup_every` steps; bench/results/soups_real.md compares them
+  # "monosoup", every `soup_every` steps; bench/results/merge/soups_real.md compares them
   soup: str = "none"
   soup_every: int = 16
 

@@ -33,7 +33,7 @@ from bitdelta_jax.hf.safetensors_io import save_file
 from bitdelta_jax.models import ModelConfig, base_tensors, from_pretrained
 from bitdelta_jax.models.llama import LlamaForCausalLM
 from bitdelta_jax.zoo.corpus import encode_bytes, lm_batches, stdlib_text
-from bitdelta_jax.zoo.data import batch_examples
+from bitdelta_jax.zoo.data import batch_examples, example_ids
 from bitdelta_jax.zoo.tasks import TASKS
 from bitdelta_jax.zoo.tokenizer_build import BOS, EOS, PAD, VOCAB_SIZE, write_tokenizer
 from bitdelta_jax.zoo.train import train
@@ -190,10 +190,10 @@ def finetune(base_dir: Path, task_name: str, cfg: ZooConfig, *, progress: bool =
 
 def delta_norm_ratio(base_dir: Path, ft_dir: Path) -> float:
   """‖W_ft − W_base‖_F / ‖W_base‖_F over all linear weights."""
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
 
   num = den = 0.0
-  with CheckpointReader(base_dir) as b, CheckpointReader(ft_dir) as f:
+  with open_checkpoint(base_dir) as b, open_checkpoint(ft_dir) as f:
     for n in b.names():
       if b.info(n).shape and len(b.info(n).shape) == 2 and not any(x in n for x in FROZEN):
         wb = b.read(n).astype(np.float64)
@@ -204,11 +204,11 @@ def delta_norm_ratio(base_dir: Path, ft_dir: Path) -> float:
 
 def norm_ratios(base_dir, ft_dir) -> dict[str, float]:
   """‖Δ‖/‖W‖ per layer type (q/k/v/o, gate/up/down, norms, embeddings), over all layers."""
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
 
   num: dict[str, float] = {}
   den: dict[str, float] = {}
-  with CheckpointReader(base_dir) as b, CheckpointReader(ft_dir) as f:
+  with open_checkpoint(base_dir) as b, open_checkpoint(ft_dir) as f:
     for n in f.names():
       kind = n.split(".")[-2] if n.endswith(".weight") else n
       if "embed_tokens" in n:
@@ -224,7 +224,7 @@ def finetune_cache_path(base_dir: Path, name: str, cfg: ZooConfig, cache_root: P
   config.json): keyed by the base's content digest and the recipe config."""
   import hashlib
 
-  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+  from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
 
   digest = fingerprint_checkpoint(base_dir)["digest"]
   key = hashlib.sha256((digest + json.dumps(dataclasses.asdict(cfg), sort_keys=True)).encode())
@@ -270,7 +270,8 @@ def build(out_dir: str | Path, cache_dir: str | Path, cfg: ZooConfig = ZooConfig
     delta_dir = out_dir / "deltas" / name
     compress_checkpoints(base_dir, ft_dir, delta_dir, CompressPolicy(granularity=granularity),
                          overwrite=True, progress=False)
-    calib = [TASKS[name].example(random.Random(f"{name}:calib:{i}")) for i in range(512)]
+    calib = example_ids(TASKS[name].example(random.Random(f"{name}:calib:{i}"))
+                        for i in range(512))
     dist = distill_checkpoint(base_dir, ft_dir, delta_dir, calib,
                               steps=distill_steps or (10 if cfg.pretrain_steps < 100 else 200),
                               progress=progress)

@@ -14,7 +14,7 @@ row count:
   accumulators) runs every row of the slot over it: one extra small-GEMM pass.
 
 The switch is at ``expand_rows`` rows of one slot: `fused_call`'s argument, else
-``$BITDELTA_CPU_EXPAND_ROWS``, else the kernel's measured default (bench/results/cpu_delta.md).
+``$BITDELTA_CPU_EXPAND_ROWS``, else the kernel's measured default (bench/results/kernels/cpu_delta.md).
 ``expand_rows=1`` forces expand-then-FMA for every slot, a huge value forces the LUT (tests).
 
 From `MERGED_MIN_ROWS` f32 rows `delta_matmul_cpu` takes the whole product: from
@@ -56,7 +56,7 @@ _MERGED_TARGET = "bitdelta_delta_matmul_merged"
 _EXPAND_SOURCE = pathlib.Path(__file__).with_name("cpu_expand_kernel.cc")
 _EXPAND_TARGET = "bitdelta_delta_expand"
 # f32 rows from which `delta_matmul_cpu` computes the whole product in the kernel
-# (`merged_call`) instead of XLA's GEMM + the delta kernel (bench/results/cpu_delta.md).
+# (`merged_call`) instead of XLA's GEMM + the delta kernel (bench/results/kernels/cpu_delta.md).
 MERGED_MIN_ROWS = 32
 # From this many rows a chunk of one slot takes XLA's dot on the expanded weight. In-process TTFT
 # of a variant's prompt on SmolLM2 f32 (2 cores): 40 tokens (a 64-row chunk) 125 ms merged vs

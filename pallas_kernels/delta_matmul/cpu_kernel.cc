@@ -50,7 +50,7 @@ constexpr int kTileCols = 64;      // LUT: columns per tile (4 zmm accumulators 
 constexpr int kPrefetchRows = 16;  // LUT: byte rows are N bytes apart, prefetch ahead
 constexpr int kPanel = 64;         // expand: columns per expanded panel
 constexpr int kMr = 6;             // expand: rows per FMA micro-kernel call
-// Rows of one slot from which expand-then-FMA beats the LUT (bench/results/cpu_delta.md). With
+// Rows of one slot from which expand-then-FMA beats the LUT (bench/results/kernels/cpu_delta.md). With
 // AVX-512 the LUT's 2 permutes + 2 adds per 16 columns x 8 rows of K beat 8 FMAs at every row
 // count measured (1-512), so expand-then-FMA only runs when asked for.
 #ifdef BD_AVX512

@@ -6,7 +6,7 @@ one contiguous block of K rows) and, for each slot present in the batch, turns t
 ``W + α ⊙ S`` in registers from the slot's bit plane: a variant costs its bits (1/32 of f32 W),
 not a second kernel, and a batch of base rows needs no ``lax.cond`` around it. f32 or bf16 W
 (bf16 widened exactly); x and y f32. `api.delta_matmul` takes it first for up to `MAX_ROWS`
-rows on one CPU device, with or without deltas (bench/results/cpu_decode.md); prefill chunks
+rows on one CPU device, with or without deltas (bench/results/serving/cpu_decode.md); prefill chunks
 keep XLA's GEMM + `cpu.fused_call` or `cpu.merged_call`.
 
 Numerics: ``W + α⊙S`` rounded once to f32 per element, f32 products and sums in another order

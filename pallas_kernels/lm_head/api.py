@@ -5,7 +5,7 @@
 
 * ``"cpu"``: the f32 NT kernel (`pallas_kernels.small_matmul.cpu.small_matmul_nt`, tied head,
   f32 h and E, up to ``NT_MAX_ROWS`` rows): XLA's f32 ``h · Eᵀ`` reads E at ~half the bandwidth
-  (bench/results/cpu_head.md).
+  (bench/results/kernels/cpu_head.md).
 * ``"cpu_bf16"``: the bf16 kernels (`pallas_kernels.small_matmul.cpu_bf16`: NT for a tied head up
   to ``NT_MAX_ROWS`` rows, NN for an untied one up to ``MAX_ROWS``): XLA's bf16 ``h · Eᵀ`` is
   ~8x slower than f32 at one row.

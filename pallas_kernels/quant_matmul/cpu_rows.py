@@ -15,7 +15,7 @@ column over pairs of K rows; both give the same bits. Threads split the columns,
 (prefill chunks, any number): passes of 16 rows over the blocks; measured on 2 busy cores
 at 64 rows, K = N = 4096, the plain product runs as fast as the reference's dequantize + XLA
 GEMM and a 4-slot bank ~5x faster (the reference computes every slot for every row), so the
-kernel keeps prefill chunks too (an earlier run of bench/quant_kernel_bench.py --bf16). At 544
+kernel keeps prefill chunks too (an earlier run of bench/kernels/quant_kernel.py --bf16). At 544
 and 2048 rows (K 4096, N 11008, f32 x, 2 quiet AVX-512 cores) it takes 0.97-1.01x the
 reference's time at Q4_0 and 1.16-1.18x at Q8_0, without the reference's dequantized f32
 matrix (180 MB for that shape; 500 MB for a 7B LM head): a step of more than 512 rows used to
@@ -30,7 +30,7 @@ round to nearest even), integer products summed exactly in int32 per block, then
 (d_w·d_x)·Σ (+ m_w·d_x·Σq_x for Q4_1, ggml's Q8_1 sum) in f32: x's rounding costs ~0.5% of y's
 L2 on Gaussian x (tests/kernels/test_quant_matmul_int8.py); on the real SmolLM2 Q4_1 model
 max |Δlogit| 1.3 (logits up to ~40), next-token argmax equal at 64 of 66 positions, KL 4e-3
-nats on average (bench/results/quant_kernel_logits.md). The delta term keeps f32 x. y f32.
+nats on average (bench/results/kernels/quant_kernel_logits.md). The delta term keeps f32 x. y f32.
 
 Backend: host CPU, built on first use like `delta_matmul.cpu_rows` (``g++ -O3 -march=native``,
 the shared pool, ``$BITDELTA_CPU_THREADS``); ``BITDELTA_QUANT_ROWS=0`` turns it off (read when
@@ -56,17 +56,17 @@ from .formats import FORMATS as TABLE
 from .reference import with_reference_vjp
 
 ACTIVATIONS = ("f32", "int8")
-# by format, from bench/results/quant_kernel.md (2 AVX2 cores shared with other work; rows 1
+# by format, from bench/results/kernels/quant_kernel.md (2 AVX2 cores shared with other work; rows 1
 # and 8, four shapes): int8 x takes q4_0 to a median 0.61x (0.36-0.72) of the f32-activation
 # time and q4_1 to 0.82x (0.55-0.85); q8_0's vpmaddwd + vpaddd do 16 multiply-adds in two
 # instructions, as two FMAs: a median 0.83x but 0.60-1.35 (slower at 8 rows on the large
 # shapes), so q8_0 keeps f32 x
-# ``auto``: the faster mode per format on the measured machines (bench/results/quant_kernel.md).
+# ``auto``: the faster mode per format on the measured machines (bench/results/kernels/quant_kernel.md).
 # The default is int8, as llama.cpp's CPU path computes (its vec_dot_type for these formats is
 # Q8_0/Q8_1): the request for the f32 path's exact tokens was withdrawn (issue 49); its cost is
 # measured instead: on the real SmolLM2 Q4_1 model argmax equal at 64/66 positions, KL 4e-3
-# (bench/results/quant_kernel_logits.md), and the real variants' task points served through
-# this kernel with each mode in bench/results/fidelity_quant.md. f32 on request
+# (bench/results/kernels/quant_kernel_logits.md), and the real variants' task points served through
+# this kernel with each mode in bench/results/fidelity/fidelity_quant.md. f32 on request
 # (``BITDELTA_QUANT_ACTIVATIONS=f32``).
 FASTEST_ACTIVATIONS = {f.name: f.fastest_activations for f in TABLE.values()}
 DEFAULT_ACTIVATIONS = settings.SETTINGS["BITDELTA_QUANT_ACTIVATIONS"].default  # int8

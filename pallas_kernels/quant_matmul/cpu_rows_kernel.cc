@@ -20,7 +20,7 @@
 // into 8-entry tables of subset sums of the byte's x values (vpermps; the f32 kernel's
 // `LutDelta` uses 16-entry AVX-512 tables the same way). More than 16 rows (prefill chunks):
 // passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
-// (8 per weight per pass), not the re-reads (bench/results/quant_kernel.md).
+// (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md).
 //
 // int8 activations (act 1), as llama.cpp's CPU dot products but vectorised over columns (N is
 // contiguous here): per block, q8_0 pairs of K rows widened to int16 and vpmaddwd'd against a
@@ -391,7 +391,7 @@ void TileRow(const Args& a, const Pass& p, float* acc, int64_t b, int64_t row0, 
 #if QROWS_AVX512
   // Q8_0 at 1-2 rows keeps the AVX2 tiles: its 16-lane tiles took 1.1-2.0x their time there on
   // an AMD EPYC (Zen 4 runs 512-bit ops as two halves; a byte a weight is widened per lane),
-  // 0.6-0.9x at 8-16 rows (bench/results/quant_kernel.md)
+  // 0.6-0.9x at 8-16 rows (bench/results/kernels/quant_kernel.md)
   if constexpr (F != kQ8_0 || R > 2) {
     constexpr int C16 = R <= 2 ? 4 : R <= 4 ? 2 : 1;  // R·C accumulators + C (q4: 2C) weights
     for (; n + 16 * C16 <= n1; n += 16 * C16) Tile512<F, R, C16>(a, p, acc, b, row0, n);

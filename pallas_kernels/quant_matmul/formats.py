@@ -30,7 +30,7 @@ class BlockFormat:
   # quantized per 32-block with one f16 scale, q8_1 adds the block's sum (for m's term)
   vec_dot_type: str
   kernel_id: int  # the format id cpu_rows_kernel.cc switches on
-  # activations the CPU kernel is fastest with (bench/results/quant_kernel.md): int8 where the
+  # activations the CPU kernel is fastest with (bench/results/kernels/quant_kernel.md): int8 where the
   # nibbles' unpacking dominates, f32 for q8_0's bytes
   fastest_activations: str
 

@@ -5,12 +5,12 @@ Why: a decode step multiplies a few rows by every weight matrix. XLA's CPU dot i
 both the bandwidth and the FLOP rate: at 8 rows it costs nearly what 32 rows do.
 ``cpu_kernel.cc`` streams W once per 8 rows with all cores (a persistent thread pool splits
 the columns). `DeltaDense` uses it for ``MIN_ROWS <= M <= MAX_ROWS`` f32 rows on the CPU
-backend; everything else stays with XLA (see bench/results/small_matmul_cpu.md).
+backend; everything else stays with XLA (see bench/results/kernels/small_matmul_cpu.md).
 bf16 weights have their own kernels (`cpu_bf16`); `dense_f32` dispatches to either.
 The NT kernel ``x · Eᵀ`` is the tied LM head's (``E [V, D]``, `small_matmul_nt`): XLA's f32
 ``h · Eᵀ`` reads SmolLM2's 113 MB embedding at the memory bandwidth at one row but at 60-50% of it
 at 2-16 rows; the kernel streams E once per call with all cores for ``NT_MIN_ROWS <= M <=
-NT_MAX_ROWS`` (0.60-0.81x XLA's time there: bench/results/cpu_head.md). One row too since the
+NT_MAX_ROWS`` (0.60-0.81x XLA's time there: bench/results/kernels/cpu_head.md). One row too since the
 pool's callers stopped sleeping for their workers (`pallas_kernels/native/pool.h`): the head
 alone 0.85-0.89x XLA's time, the real model's in-process one-row decode step 25.1-26.0 ms
 against 28.1-29.5 ms with XLA's dot (two interleaved runs).

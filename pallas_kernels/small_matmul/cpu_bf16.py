@@ -9,7 +9,7 @@ has AVX-512 BF16 and the CPU reports it at run time they use ``vdpbf16ps`` (pair
 K: W's rows interleaved on the fly, no repacked copy of W; E's rows hold the pairs already);
 elsewhere W is widened to f32 by a shift and multiplied with FMAs (still half the bytes).
 `DeltaDense`, the delta kernel's base product and the LM head take them for bf16 rows up to
-`MAX_ROWS` / `NT_MAX_ROWS` (bench/results/cpu_bf16.md); above, XLA's dot with f32 sums
+`MAX_ROWS` / `NT_MAX_ROWS` (bench/results/kernels/cpu_bf16.md); above, XLA's dot with f32 sums
 (`dense`): inside a model program XLA's CPU bf16 dot with a bf16 result ran 1.3-4.4x slower.
 
 Numerics: x is rounded to bf16 first (a bf16 model's activations already are), so every
@@ -32,7 +32,7 @@ from pallas_kernels import settings
 from pallas_kernels.native import registry
 from pallas_kernels.native.registry import NativeKernel
 
-# Rows up to which the kernels run (bench/results/cpu_bf16.md, ratios to XLA inside programs
+# Rows up to which the kernels run (bench/results/kernels/cpu_bf16.md, ratios to XLA inside programs
 # over seven runs of the bench on this shared machine): the NN kernel beat XLA's dot with f32
 # sums at one row in every run (0.22-0.72x), tied at 2-4 (0.83-1.45x, medians ~1.0) and lost at
 # 8 in six of seven, so it runs where it wins: single-row decode steps. The NT kernel's median

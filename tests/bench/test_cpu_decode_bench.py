@@ -1,18 +1,14 @@
-"""bench/cpu_decode_bench.py's summary and writers on a tiny synthetic result (not the bench)."""
+"""bench/serving/cpu_decode.py's summary and writers on a tiny synthetic result (not the bench)."""
 
 from __future__ import annotations
 
 import json
-import pathlib
-import sys
 
 import pytest
 
+from bench.serving import cpu_decode as bench
+
 pytestmark = pytest.mark.slow
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-
-import cpu_decode_bench as bench  # noqa: E402
 
 
 def _round(scale: float) -> dict:

@@ -1,13 +1,9 @@
-"""bench/harness.py: every candidate runs once per round in a rotating order after two warm
+"""bench/common/harness.py: every candidate runs once per round in a rotating order after two warm
 calls, and a budget stops the rounds early only after the minimum."""
 
 from __future__ import annotations
 
-import pathlib
-import sys
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-import harness  # noqa: E402
+from bench.common import harness
 
 
 def test_rounds_rotate_and_every_call_is_timed():
@@ -25,12 +21,3 @@ def test_budget_stops_after_the_minimum_rounds():
                           block=lambda x: x)
   assert len(t.wall["a"]) == 3
 
-
-def test_results_carry_the_machine(tmp_path, monkeypatch):
-  monkeypatch.setattr(harness, "RESULTS", tmp_path)
-  md = harness.write_results("x", {"rows": [1]}, ["# x", "", "| a |"])
-  import json
-
-  res = json.loads((tmp_path / "x.json").read_text())
-  assert res["rows"] == [1] and res["machine"]["cpu"]
-  assert md.read_text() == "# x\n\n| a |\n"

@@ -3,26 +3,18 @@ the content cache of scores, and the goal marks of its report."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
 
 from bitdelta_jax.kmerge import KMergePool, PoolConfig
 from bitdelta_jax.merge.lora import from_factors
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def bench():
-  spec = importlib.util.spec_from_file_location("kmerge_real_bench", ROOT / "bench/kmerge_real_bench.py")
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = mod  # its dataclasses resolve their module
-  spec.loader.exec_module(mod)
-  return mod
+  from bench.merge import kmerge_real
+
+  return kmerge_real
 
 
 def _adapter(seed, r=2, d=12):

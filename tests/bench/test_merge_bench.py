@@ -1,8 +1,6 @@
-"""Smoke test of bench/merge_bench.py: both parts on a randomly initialised micro base."""
+"""Smoke test of bench/merge/merge_builtin.py: both parts on a randomly initialised micro base."""
 
 import json
-import sys
-from pathlib import Path
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -10,14 +8,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import merge_bench  # noqa: E402
-
-from bitdelta_jax.models import ModelConfig  # noqa: E402
-from bitdelta_jax.models.llama import LlamaForCausalLM  # noqa: E402
-from bitdelta_jax.zoo.recipe import ZooConfig, _save_hf  # noqa: E402
+from bench.merge import merge_builtin as merge_bench
+from bitdelta_jax.models import ModelConfig
+from bitdelta_jax.models.llama import LlamaForCausalLM
+from bitdelta_jax.zoo.recipe import ZooConfig, _save_hf
 
 
 def test_set_partitions_counts_are_stirling_numbers():

@@ -1,20 +1,15 @@
-"""bench/quant_models.py's random variants (they must load against their GGUF base as a
-compressed fine-tune does) and bench/quant_bench.py's ratios, goals and report on a synthetic
+"""bench/common/random_models.py's random variants (they must load against their GGUF base as a
+compressed fine-tune does) and bench/serving/quant.py's ratios, goals and report on a synthetic
 result (not the bench)."""
 
 from __future__ import annotations
-
-import pathlib
-import sys
 
 import numpy as np
 import pytest
 from model_fixtures import make_hf_model
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-
-import quant_bench  # noqa: E402
-import quant_models  # noqa: E402
+from bench.common import random_models
+from bench.serving import quant as quant_bench
 
 pytestmark = pytest.mark.slow
 
@@ -34,14 +29,14 @@ def test_random_variant_loads_against_its_base_only(ggufs, tmp_path):
   from bitdelta_jax.delta.entries import DeltaMismatchError
   from bitdelta_jax.delta.format import PackedDelta
   from bitdelta_jax.delta.store import load_delta
-  from bitdelta_jax.delta.stream import fingerprint_checkpoint
+  from bitdelta_jax.hf.checkpoints import open_checkpoint
+  from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
   from bitdelta_jax.hf.gguf_checkpoint import resolve_base
-  from bitdelta_jax.hf.safetensors_io import CheckpointReader
   from pallas_kernels.bits import unpack_signs
 
-  out = quant_models.write_random_variant(ggufs["q4_0"], tmp_path / "v", seed=3, alpha=0.01)
+  out = random_models.write_random_variant(ggufs["q4_0"], tmp_path / "v", seed=3, alpha=0.01)
   delta, manifest = load_delta(out, base_fingerprint=fingerprint_checkpoint(ggufs["q4_0"]))
-  with CheckpointReader(resolve_base(ggufs["q4_0"])) as r:
+  with open_checkpoint(resolve_base(ggufs["q4_0"])) as r:
     linear = [n for n in r.names() if n.endswith("_proj.weight")]
     assert linear and set(delta) == set(r.names())
     for n in linear:
@@ -58,11 +53,11 @@ def test_random_variant_loads_against_its_base_only(ggufs, tmp_path):
     load_delta(out, base_fingerprint=fingerprint_checkpoint(ggufs["q8_0"]))
   assert "q4_0" in str(e.value) and "q8_0" in str(e.value)
   # another seed, other bits; the same seed again is kept (cached), not rewritten
-  other = quant_models.write_random_variant(ggufs["q4_0"], tmp_path / "w", seed=4)
+  other = random_models.write_random_variant(ggufs["q4_0"], tmp_path / "w", seed=4)
   d2, _ = load_delta(other)
   assert not np.array_equal(np.asarray(d2[linear[0]].bits), np.asarray(delta[linear[0]].bits))
   mtime = (out / "manifest.json").stat().st_mtime_ns
-  quant_models.write_random_variant(ggufs["q4_0"], out, seed=5)
+  random_models.write_random_variant(ggufs["q4_0"], out, seed=5)
   assert (out / "manifest.json").stat().st_mtime_ns == mtime
 
 

@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 
 from bitdelta_jax.delta.store import DeltaStoreError, _array_dir, load_delta, read_array
-from bitdelta_jax.delta.variant import open_variant
+from bitdelta_jax.delta.variant import bank_options, open_variant
 from bitdelta_jax.merge.lora import from_factors, load_adapter, save_adapter
-from bitdelta_jax.models.banks import bank_options
 from bitdelta_jax.models.slots import lora_entries
 from serving.testing import TINY, synthetic_family
 

@@ -16,7 +16,7 @@ weights and the logits of 544 rows; a separate assertion keeps it below what the
 concurrency-optimized scheduler needed). 192 MiB covers what the runtime allocates around a
 step and one compile (measured 100-140 MiB over the rest here). Only the smallest and the
 largest program are compiled (the warm-up's compile-then-run path, `PagedRunner._compile` and
-`_probe`), so the test stays short; `bench/memory_bench.py` measures the whole warm-up (both
+`_probe`), so the test stays short; `bench/engine/memory.py` measures the whole warm-up (both
 cases are slow: 20 s of a 3-minute quick run).
 """
 

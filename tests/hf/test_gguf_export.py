@@ -12,7 +12,8 @@ from model_fixtures import BPE_TEXTS as TEXTS
 from model_fixtures import hf_logits, make_bpe_tokenizer, make_hf_model
 
 from bitdelta_jax.hf import gguf_import
-from bitdelta_jax.hf.gguf_export import GGUFExportError, permute_rows, write_gguf
+from bitdelta_jax.hf.gguf_export import write_gguf
+from bitdelta_jax.hf.gguf_names import GGUFExportError, permute_rows, unpermute_rows
 
 VOCAB = 320
 
@@ -37,7 +38,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 def test_permute_inverts_the_importers_unpermute():
   w = np.random.RandomState(0).randn(3 * 8, 5).astype(np.float32)
-  np.testing.assert_array_equal(gguf_import.unpermute_rows(permute_rows(w, 3), 3), w)
+  np.testing.assert_array_equal(unpermute_rows(permute_rows(w, 3), 3), w)
   # one head of 4 rows [a0, a1, b0, b1] (rotate-half pairs a_i, b_i) is stored as [a0, b0, a1, b1]
   np.testing.assert_array_equal(permute_rows(np.arange(4.0)[:, None], 1)[:, 0], [0, 2, 1, 3])
 

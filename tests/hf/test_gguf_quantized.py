@@ -27,12 +27,16 @@ from bitdelta_jax.hf.gguf_base import (
 )
 from bitdelta_jax.hf.gguf_export import (
   QUANTIZED,
-  GGUFExportError,
   _add_metadata,
   gguf_writer,
-  permute_rows,
   tokenizer_metadata,
   write_gguf,
+)
+from bitdelta_jax.hf.gguf_names import (
+  GGUFExportError,
+  GGUFImportError,
+  hf_tensor_name,
+  permute_rows,
 )
 from pallas_kernels.quant_matmul.blocks import QuantizedKernel, dequantize
 
@@ -89,7 +93,7 @@ def test_written_bytes_are_llama_cpp_reference_quantization(fmt, tiny, files):
   qtype = gguf.GGMLQuantizationType[fmt.upper()]
   seen = set()
   for t in reader.tensors:
-    name = gguf_import.hf_tensor_name(t.name)
+    name = hf_tensor_name(t.name)
     seen.add(name)
     w = _gguf_layout(name, hf[name])
     if w.ndim == 2:
@@ -215,7 +219,7 @@ def test_other_ggml_types_are_not_read_as_blocks(tiny, tmp_path):
   w.close()
   base = open_gguf_base(path)
   assert base.tensor_formats()["model.layers.0.self_attn.v_proj.weight"] == "q5_0"
-  with pytest.raises(gguf_import.GGUFImportError, match=r"self_attn\.v_proj\.weight.*Q5_0"):
+  with pytest.raises(GGUFImportError, match=r"self_attn\.v_proj\.weight.*Q5_0"):
     base.read("model.layers.0.self_attn.v_proj.weight")
   # the explicit dequantizing path reads it
   np.testing.assert_allclose(base.dequantized("model.layers.0.self_attn.v_proj.weight"), 1.0)

@@ -15,7 +15,8 @@ from flax import nnx
 from model_fixtures import forward, hf_logits, make_bpe_tokenizer, make_hf_model
 
 from bitdelta_jax.delta.store import DeltaMismatchError, load_delta
-from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints, fingerprint_checkpoint
+from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints
+from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
 from bitdelta_jax.hf.gguf_checkpoint import resolve_base
 from bitdelta_jax.hf.gguf_export import write_gguf
 from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
@@ -33,7 +34,7 @@ IDS = np.array([[5, 17, 42, 99, 3, 250, 7, 8, 301, 64, 11, 12]], np.int32)
 def _f32_activations():
   """Parity with the dequantized f32 checkpoint holds for f32 activations; q4's default int8
   activations are checked in tests/kernels/test_quant_matmul_int8.py (error reported in
-  bench/results/quant_kernel_logits.md)."""
+  bench/results/kernels/quant_kernel_logits.md)."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
     yield

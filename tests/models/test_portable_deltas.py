@@ -15,8 +15,9 @@ import pytest
 from model_fixtures import forward, make_bpe_tokenizer, make_hf_model
 
 from bitdelta_jax.delta.store import DeltaMismatchError, load_delta, read_manifest
-from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints, fingerprint_checkpoint
-from bitdelta_jax.hf import lineage
+from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints
+from bitdelta_jax.hf import lineage, lineage_record
+from bitdelta_jax.hf.fingerprint import fingerprint_checkpoint
 from bitdelta_jax.hf.gguf_checkpoint import resolve_base
 from bitdelta_jax.hf.gguf_export import write_gguf
 from bitdelta_jax.hf.safetensors_io import CheckpointReader
@@ -73,7 +74,7 @@ def _applied_numpy(gguf_path, base_dir, ft_dir, name, manifest) -> np.ndarray:
   """dequant(W_q) + α·sign(W_ft − W_source) in HF layout, from the `gguf` package and numpy."""
   import gguf
 
-  from bitdelta_jax.hf.gguf_import import hf_tensor_name, unpermute_rows
+  from bitdelta_jax.hf.gguf_names import hf_tensor_name, unpermute_rows
 
   r = gguf.GGUFReader(gguf_path)
   t = next(t for t in r.tensors if hf_tensor_name(t.name) == name)
@@ -119,7 +120,7 @@ def test_a_gguf_without_recorded_source_refuses_until_its_source_is_checked(fami
   d, delta = family
   path = write_gguf(d / "base", d / "foreign-q4_1.gguf", dtype="q4_1", record_source=False)
   base_dir = resolve_base(path)
-  lineage.forget(base_dir)
+  lineage_record.forget(base_dir)
   with pytest.raises(DeltaMismatchError) as e:
     load_delta(delta, base_fingerprint=fingerprint_checkpoint(base_dir))
   assert "--base-source" in str(e.value) and path.name in str(e.value)
@@ -129,7 +130,7 @@ def test_a_gguf_without_recorded_source_refuses_until_its_source_is_checked(fami
   with pytest.raises(lineage.LineageError) as e:
     lineage.establish(base_dir, d / "ft-emb")
   assert path.name in str(e.value) and "tensor" in str(e.value)
-  assert lineage.source_of(base_dir) is None  # nothing recorded
+  assert lineage_record.source_of(base_dir) is None  # nothing recorded
 
   rec = lineage.establish(base_dir, d / "base")
   assert rec["name"] == "base" and "checked against" in rec["how"]
@@ -150,7 +151,7 @@ def test_quantization_bound_accepts_llama_cpp_reference_blocks_and_rejects_other
   base = open_gguf_base(path)
   with CheckpointReader(d / "base") as r:
     src = r.read(Q_PROJ).astype(np.float32)
-  from bitdelta_jax.hf.gguf_export import permute_rows
+  from bitdelta_jax.hf.gguf_names import permute_rows
 
   ref_bytes = gguf.quants.quantize(permute_rows(src, 4), getattr(gguf.GGMLQuantizationType,
                                                                  fmt.upper()))
@@ -185,7 +186,7 @@ def test_compress_against_a_gguf_keeps_the_unchanged_embedding_as_the_base(famil
 def test_compress_with_base_source_takes_delta_against_the_source(family):
   d, delta = family
   path = write_gguf(d / "base", d / "src-q8_0.gguf", dtype="q8_0", record_source=False)
-  lineage.forget(resolve_base(path))
+  lineage_record.forget(resolve_base(path))
   m = compress_checkpoints(path, d / "ft", d / "delta-src", progress=False, overwrite=True,
                            base_source=d / "base")
   assert m["base"]["digest"] == read_manifest(delta)["base"]["digest"]
@@ -275,7 +276,7 @@ def test_cli_base_source_for_compress_and_a_wrong_source_is_exit_2(family, tmp_p
 
   d, delta = family
   path = write_gguf(d / "base", tmp_path / "cli-q4_0.gguf", dtype="q4_0", record_source=False)
-  lineage.forget(resolve_base(path))
+  lineage_record.forget(resolve_base(path))
   rc = main(["compress", "--base", str(path), "--base-source", str(d / "ft-emb"), "--finetuned",
              str(d / "ft"), "--out", str(tmp_path / "bad"), "--quiet"])
   err = capsys.readouterr().err

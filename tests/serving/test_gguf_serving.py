@@ -20,7 +20,7 @@ TOKENS = 16
 @pytest.fixture(scope="module", autouse=True)
 def _f32_activations():
   """Greedy-text parity with transformers holds for f32 activations; q4's default int8
-  activations move logits (bench/results/quant_kernel_logits.md)."""
+  activations move logits (bench/results/kernels/quant_kernel_logits.md)."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
     yield

@@ -31,7 +31,7 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content']
 @pytest.fixture(scope="module", autouse=True)
 def _f32_activations():
   """Parity with transformers is asked of f32 activations (int8, the default, moves
-  logits slightly: its cost is measured in bench/results/fidelity_quant.md)."""
+  logits slightly: its cost is measured in bench/results/fidelity/fidelity_quant.md)."""
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("BITDELTA_QUANT_ACTIVATIONS", "f32")
     yield
@@ -97,7 +97,7 @@ def test_one_delta_serves_over_each_quantization(family, serve, fmt, recorded, t
   import transformers as tf
 
   from bitdelta_jax.delta.stream import apply_checkpoint
-  from bitdelta_jax.hf import lineage
+  from bitdelta_jax.hf import lineage_record
   from bitdelta_jax.hf.gguf_checkpoint import resolve_base
   from bitdelta_jax.hf.gguf_export import write_gguf
   from bitdelta_jax.hf.gguf_import import write_hf_checkpoint
@@ -105,7 +105,7 @@ def test_one_delta_serves_over_each_quantization(family, serve, fmt, recorded, t
   d = family
   path = write_gguf(d / "src", tmp_path / f"src-{fmt}.gguf", dtype=fmt, record_source=recorded)
   if not recorded:  # a file made elsewhere: its source is named at start-up
-    lineage.forget(resolve_base(path))
+    lineage_record.forget(resolve_base(path))
   tok = tf.AutoTokenizer.from_pretrained(d / "src")
   ref_base = tmp_path / "ref-base"
   write_hf_checkpoint(gguf.GGUFReader(path), ref_base)

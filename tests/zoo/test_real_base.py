@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from model_fixtures import forward
 
-from bitdelta_jax.hf.gguf_import import unpermute_rows
+from bitdelta_jax.hf.gguf_names import unpermute_rows
 from bitdelta_jax.hf.safetensors_io import CheckpointReader
 from bitdelta_jax.outputs import OutputError
 from bitdelta_jax.zoo import real_base

@@ -15,7 +15,7 @@ from bitdelta_jax.engine.sampling import SamplingParams
 from bitdelta_jax.models import from_pretrained
 from bitdelta_jax.models.slots import load_variant
 from bitdelta_jax.zoo import shipped_family
-from bitdelta_jax.zoo.data import encode_prompt
+from bitdelta_jax.zoo.data import encode_prompt, example_ids
 from bitdelta_jax.zoo.evaluate import exact_match_and_nll
 from bitdelta_jax.zoo.tasks import TASKS
 from bitdelta_jax.zoo.tokenizer_build import EOS, build_tokenizer
@@ -65,7 +65,7 @@ def test_distillation_trains_only_scales_and_reduces_loss(micro, tmp_path):
   d = tmp_path / "delta"
   compress_checkpoints(base_dir, ft_dir, d, CompressPolicy(granularity="column"), progress=False)
   before, _ = load_delta(d)
-  calib = [TASKS["nano-reverse"].example(random.Random(i)) for i in range(64)]
+  calib = example_ids(TASKS["nano-reverse"].example(random.Random(i)) for i in range(64))
   info = distill_checkpoint(base_dir, ft_dir, d, calib,
                             DistillConfig(steps=40, seq=64, eval_every=10), progress=False)
   after, m = load_delta(d)

@@ -1,0 +1,1 @@
+"""`bitdelta compress`: throughput, its defaults, and delta modes at equal bytes."""

@@ -1,0 +1,1 @@
+"""The serving engine: start-up and compiles, decode steps, plans, liveness, long outputs, memory."""

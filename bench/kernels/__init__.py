@@ -1,0 +1,1 @@
+"""Kernel micro-benches: the delta, small-M, LM-head, attention and quantized-base kernels against XLA."""

@@ -1,0 +1,1 @@
+"""Servers end to end: `bitdelta serve` against transformers, llama.cpp and itself under load."""
