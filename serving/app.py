@@ -406,6 +406,9 @@ class Server:
     if r is not None and getattr(r, "warm", False):  # plain ints, read without the device
       extra["compiled_programs"] = r.compiled_programs
       extra["compiles_after_warmup"] = r.compiles_after_warmup
+      if hasattr(r, "ready_buckets"):  # token buckets a step may use; the rest compiling
+        extra["buckets"] = {"ready": list(r.ready_buckets(e.gen.base_only)),
+                            "compiling": e.gen.pending_buckets}
     stalled = e.stall_report() if e is not None else None
     if stalled:
       extra["stalled"] = stalled

@@ -115,6 +115,10 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                  help="room per device slot for tokens a variant added to the vocabulary "
                       "(default: the most any configured variant adds, rounded up to 64)")
   p.add_argument("--no-warmup", action="store_true", help="compile lazily instead of at start")
+  p.add_argument("--compile-all-first", action="store_true",
+                 help="serve only once every step program is compiled (default: once the "
+                      "decode steps' are; larger prompt chunks' compile in the background, "
+                      "long prompts running in smaller chunks meanwhile)")
   p.add_argument("--forbid-compile-after-warmup", action="store_true",
                  help="fail a step that needs a program the warm-up did not compile, instead of "
                       "compiling it while every stream waits (a bug guard)")
@@ -222,6 +226,8 @@ def config_from_args(args, *, base: str | None = None,
     d["admin_roots"] = tuple(args.variant_root)
   if args.no_warmup:
     d["warmup"] = False
+  if getattr(args, "compile_all_first", False):
+    d["background_compile"] = False
   if getattr(args, "forbid_compile_after_warmup", False):
     d["forbid_compile_after_warmup"] = True
   if getattr(args, "no_prefix_caching", False):

@@ -89,6 +89,8 @@ class ServerConfig:
   extra_vocab: int | None = None  # added-token rows per slot; None: what configured variants add
   embedding_slots: bool | None = None  # per-slot embedding/LM-head banks; None: if a variant needs
   warmup: bool = True  # compile every step program (each token bucket and form) before serving
+  # serve once the decode buckets are compiled; the prefill buckets compile in the background
+  background_compile: bool = True
   # after the warm-up, a step that would compile raises instead (the request fails); otherwise
   # it compiles on the device thread and is counted (/health "compiles_after_warmup")
   forbid_compile_after_warmup: bool = dataclasses.field(

@@ -30,6 +30,9 @@ class EngineConfig:
   prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
   prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes, per variant
   warmup: bool = True  # compile every step program before serving
+  # with warmup, one process: ready once the decode buckets' programs are (up to max_batch
+  # tokens a step); the larger prefill buckets compile in the background meanwhile
+  background_compile: bool = True
   # a step that would compile then raises (default: $BITDELTA_FORBID_COMPILE_AFTER_WARMUP)
   forbid_compile_after_warmup: bool = dataclasses.field(
     default_factory=lambda: settings.get("BITDELTA_FORBID_COMPILE_AFTER_WARMUP"))

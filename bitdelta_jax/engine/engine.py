@@ -195,12 +195,16 @@ class Engine:
     try:
       gen = self.gen = self._build()
       if self.cfg.warmup:
-        took = gen.warmup(progress=log.info)
+        background = self.cfg.background_compile and not self.cfg.multi_process
+        took = gen.warmup(progress=log.info, background=background,
+                          on_compiled=self._promote_soon)
         rs = gen.runners
+        later = gen.pending_buckets
         log.info("warm-up: %d step programs in %.1f s (%d from the step cache; each run once "
-                 "in %.2f s, %d failed that run and were recompiled)", gen.compiles, took,
+                 "in %.2f s, %d failed that run and were recompiled)%s", gen.compiles, took,
                  sum(r.loaded_programs for r in rs), sum(r.probe_s for r in rs),
-                 sum(r.probe_failures for r in rs))
+                 sum(r.probe_failures for r in rs),
+                 f"; buckets of {later} tokens compile in the background" if later else "")
         for r in rs:
           r.guard = self.cfg.forbid_compile_after_warmup
     except BaseException as e:  # noqa: BLE001  report to whoever awaits readiness
@@ -215,11 +219,17 @@ class Engine:
       self._loop(gen)
     finally:
       self.alive = False
+      gen.stop_compiling()
       for r in gen.runners:
         close = getattr(r, "close", None)
         if close is not None:  # multi-process: release the followers
           close()
         r.release()  # the compiled programs (and their memory mappings) go now
+
+  def _promote_soon(self) -> None:
+    """From the background compile: a program is ready to be run once and used; the device
+    thread does that next (`Generator.promote`), idle or between steps."""
+    self._inbox.put(("call", lambda gen: gen.promote(log.info), concurrent.futures.Future()))
 
   def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
     """Takes queued requests and runs queued calls; False when asked to stop. Blocking and

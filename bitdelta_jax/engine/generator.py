@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -106,6 +107,8 @@ class Generator:
     self._mesh = mesh
     self.shapes_run: set[tuple] = set()  # (tokens bucket, base_only) of every step run
     self.steps = 0
+    self._compiler: threading.Thread | None = None  # `warmup(background=True)`'s thread
+    self._stop_compiling = threading.Event()
 
   # -- one data group's parts (most programs have one) ----------------------------------------
   @property
@@ -249,6 +252,8 @@ class Generator:
     """One iteration: every group's batch is planned and launched, then every group's results
     are read (the groups' devices work at the same time)."""
     self.steps += 1
+    if self._compiler is not None:
+      self.promote()
     launched = []
     for g, r in zip(self.schedulers, self.runners):
       plan = g.schedule()
@@ -268,12 +273,66 @@ class Generator:
         r.copy_pages(np.asarray(src, np.int32), np.asarray(dst, np.int32))
     return total
 
-  def warmup(self, *, threads: int = 2, progress=None) -> float:
+  def warmup(self, *, threads: int = 2, progress=None, background: bool = False,
+             on_compiled=None) -> float:
     """Compiles every step program the schedulers can ask for (one per token bucket, per
     group) ahead of time; returns the seconds it took. After it, the runners count (or, with
-    ``runner.guard``, refuse) any step they did not compile."""
-    return sum(r.compile_all((self.base_only,), threads=threads, progress=progress)
-               for r in self.runners)
+    ``runner.guard``, refuse) any step they did not compile.
+
+    ``background``: only two programs now, the smallest bucket (one stream decoding) and the
+    bucket of ``max_rows`` tokens (every row decoding, or a short prompt chunk); the others
+    compile on a background thread, the decode buckets first, each made ready between steps
+    (`promote`). Until then a step is padded to the smallest ready bucket that holds it and
+    holds at most the largest ready one's tokens, so a long prompt runs in smaller chunks; no
+    step waits for a compile, and none runs a program that has not run once. (A step padded
+    to a larger bucket computes the same values; kernels that pick their path by row count
+    may round them differently.) ``on_compiled()`` is called
+    from the background thread after each program (the engine then promotes it at once)."""
+    if not background:
+      return sum(r.compile_all((self.base_only,), threads=threads, progress=progress)
+                 for r in self.runners)
+    sh = self.shapes
+    first = sorted({sh.buckets()[0], sh.bucket(sh.max_rows)})
+    took = sum(r.compile_all((self.base_only,), threads=threads, progress=progress,
+                             buckets=first) for r in self.runners)
+    self._limit_schedulers()
+    if any(r.pending for r in self.runners):
+      def compile_rest():
+        for r in self.runners:
+          try:
+            r.compile_pending(progress, stop=self._stop_compiling, on_compiled=on_compiled)
+          except Exception as e:  # noqa: BLE001  serving goes on with the ready buckets
+            log.warning("background compile stopped (%s: %s); serving with the ready buckets "
+                        "%s", type(e).__name__, e, list(r.ready_buckets(self.base_only)))
+            return
+
+      self._compiler = threading.Thread(target=compile_rest, name="bitdelta-compile",
+                                        daemon=True)
+      self._compiler.start()
+    return took
+
+  def promote(self, progress=None) -> bool:
+    """Makes the programs the background compile finished ready (each runs once first, on
+    the caller's thread: the device thread) and lets the schedulers use them. True if any."""
+    promoted = any([r.promote(progress) for r in self.runners])
+    if promoted:
+      self._limit_schedulers()
+      if not self.pending_buckets:
+        self._compiler = None  # all ready: steps stop asking
+    return promoted
+
+  def stop_compiling(self) -> None:
+    """Ends the background compile after its current program (the engine's shutdown)."""
+    self._stop_compiling.set()
+
+  @property
+  def pending_buckets(self) -> list[int]:
+    """Token buckets still compiling in the background (of any group)."""
+    return sorted({n for r in self.runners for n, _ in list(getattr(r, "pending", ()))})
+
+  def _limit_schedulers(self) -> None:
+    for g, r in zip(self.schedulers, self.runners):
+      g.buckets = r.ready_buckets(self.base_only) if r.pending else None
 
   # -- the whole loop -------------------------------------------------------------------------
   def generate(

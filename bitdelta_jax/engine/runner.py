@@ -23,8 +23,11 @@ on the serial path of a decode step.
 
 Programs: one per token bucket of `StepShapes` (``base_only``: the form of a model without
 variant slots; with slots, batches of base rows skip the delta kernels inside the same program).
-`compile_all` lowers and compiles them all on a thread pool before serving; a step of a bucket
-it compiled runs that executable. The decoder layers run unrolled on CPU and as one
+`compile_all` lowers and compiles them (or the buckets it is given) on a thread pool before
+serving; a step of a bucket it compiled runs that executable. Buckets it left `pending` are
+compiled by `compile_pending` on a background thread, from the argument shapes recorded by
+`compile_all` (no device array is read there), and made ready by `promote` on the device
+thread, which runs each once first (`ready_buckets`: what a scheduler may pad a step to). The decoder layers run unrolled on CPU and as one
 ``lax.scan`` over stacked layer states elsewhere (`scan_layers_default` says why).
 
 On a mesh spanning several processes, host inputs become global arrays with
@@ -38,6 +41,7 @@ import dataclasses
 import functools
 import logging
 import os
+import queue
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +206,9 @@ class PagedRunner:
     self.loaded_programs = 0  # programs `compile_all` took from the step cache
     self.probe_s = 0.0  # seconds `compile_all` spent running each program once
     self.probe_failures = 0  # programs that failed that first run (then recompiled)
+    self.pending: list[tuple[int, bool]] = []  # (tokens, base_only) left to `compile_pending`
+    self._arrived: queue.SimpleQueue = queue.SimpleQueue()  # compiled there, not yet promoted
+    self._specs = None  # the step's array arguments as ShapeDtypeStructs (`_abstract_args`)
 
   @property
   def mesh(self):
@@ -218,8 +225,13 @@ class PagedRunner:
 
   @property
   def compiled_programs(self) -> int:
-    """Step programs compiled ahead of time (`compile_all`)."""
+    """Step programs compiled ahead of time (`compile_all`, `promote`)."""
     return len(self._compiled)
+
+  def ready_buckets(self, base_only: bool) -> tuple[int, ...]:
+    """Token buckets of the form ``base_only`` whose program is compiled and has run once."""
+    keys = tuple(self._compiled)  # one copy: `/health` reads this from another thread
+    return tuple(sorted(n for n, f in keys if f == bool(base_only)))
 
   # -- the calls ------------------------------------------------------------------------------
   def run(self, batch: PagedBatch, base_only: bool) -> StepOutput:
@@ -259,36 +271,25 @@ class PagedRunner:
       return self._run.trace(*args).lower(lowering_platforms=(platform,))
 
   def compile_all(self, forms: Sequence[bool] = (False,), threads: int = 2,
-                  progress=None) -> float:
-    """Compiles the step for every token bucket in each form of ``forms`` (``base_only``
-    values; the engine asks for one) ahead of time, ``threads`` at a time, and the page copy;
-    returns the seconds it took. Each program then runs once on a padding batch (`_probe`:
-    SmolLM2's 11 programs take ~1 s on 2 cores), so one that cannot run is recompiled here
-    rather than met by a request. Every later step runs a program compiled here (with `guard`
-    on, any other raises)."""
+                  progress=None, buckets: Sequence[int] | None = None) -> float:
+    """Compiles the step for every token bucket (or only ``buckets``) in each form of ``forms``
+    (``base_only`` values; the engine asks for one) ahead of time, ``threads`` at a time, and
+    the page copy; returns the seconds it took. Each program then runs once on a padding batch
+    (`_probe`: SmolLM2's 11 programs take ~1 s on 2 cores), so one that cannot run is
+    recompiled here rather than met by a request. The buckets not asked for are left in
+    `pending` (`compile_pending`, `promote`). Every later step runs a program compiled here or
+    promoted (with `guard` on, any other raises)."""
     t0 = time.perf_counter()
-    todo = [(n, f) for f in forms for n in self.shapes.buckets()
-            if (n, f) not in self._compiled]
-
-    cache = self.step_cache_dir
-    if cache is not None:
+    self._specs = self._array_specs()
+    wanted = self.shapes.buckets() if buckets is None else sorted(set(buckets))
+    todo = [(n, f) for f in forms for n in wanted if (n, f) not in self._compiled]
+    self.pending = [(n, f) for f in forms for n in self.shapes.buckets()
+                    if (n, f) not in self._compiled and (n, f) not in todo]
+    if self.step_cache_dir is not None:
       _register_native_kernels()
 
-    def one(key):
-      n, f = key
-      t = time.perf_counter()
-      compiled = None if cache is None else step_cache.load(cache, self._cache_key(n, f))
-      how = "loaded"
-      if compiled is None:
-        how = "compiled"
-        compiled = self._compile(n, f)
-      if progress:
-        progress(f"{how} the {'base-only' if f else 'variant'} step of {n} tokens "
-                 f"({time.perf_counter() - t:.1f} s)")
-      return key, compiled, how == "loaded"
-
     with ThreadPoolExecutor(max(1, threads)) as ex:
-      for key, compiled, loaded in ex.map(one, todo):
+      for key, compiled, loaded in ex.map(lambda k: self._build(k, progress), todo):
         self._compiled[key] = compiled
         self.loaded_programs += loaded
     if self.sync is not None:  # the probes below are the first collectives
@@ -308,21 +309,91 @@ class PagedRunner:
     release_free_heap()
     return time.perf_counter() - t0
 
+  def compile_pending(self, progress=None, stop=None, on_compiled=None) -> None:
+    """Compiles (or loads from the step cache) each program `compile_all` left pending, in
+    bucket order, for a background thread: lowered from the argument shapes `compile_all`
+    recorded, so no device array is read while the device thread steps. Each goes to the
+    device thread's `promote` (``on_compiled()`` is called after each). ``stop`` (a
+    `threading.Event`): checked between programs."""
+    for key in list(self.pending):
+      if stop is not None and stop.is_set():
+        return
+      self._arrived.put(self._build(key, progress, background=True))
+      if on_compiled is not None:
+        on_compiled()
+
+  def promote(self, progress=None) -> bool:
+    """On the device thread, between steps: the programs `compile_pending` finished, each run
+    once (`_probe`) and from then on used by steps. True if any was promoted."""
+    promoted = False
+    while True:
+      try:
+        key, compiled, loaded = self._arrived.get_nowait()
+      except queue.Empty:
+        return promoted
+      if key not in self.pending:  # released meanwhile
+        continue
+      self._compiled[key] = compiled
+      self.loaded_programs += loaded
+      self.pending.remove(key)
+      t = time.perf_counter()
+      self._probe(*key, progress)
+      self.probe_s += time.perf_counter() - t
+      promoted = True
+
+  def _build(self, key: tuple[int, bool], progress=None, background: bool = False):
+    """``(key, program, loaded)``: the step of ``key`` from the step cache, else compiled."""
+    n, f = key
+    t = time.perf_counter()
+    cache = self.step_cache_dir
+    compiled = None if cache is None else step_cache.load(cache, self._cache_key(n, f))
+    loaded = compiled is not None
+    if compiled is None:
+      compiled = self._compile(n, f, clear_jax_caches=not background)
+    if progress:
+      where = " (in the background)" if background else ""
+      progress(f"{'loaded' if loaded else 'compiled'} the {'base-only' if f else 'variant'} "
+               f"step of {n} tokens{where} ({time.perf_counter() - t:.1f} s)")
+    return key, compiled, loaded
+
   def _cache_key(self, n: int, base_only: bool) -> str:
     return step_cache.step_key(self._program_parts(n, base_only))
 
-  def _compile(self, n: int, base_only: bool):
-    """The step of ``n`` tokens, compiled; with the step cache, really compiled here (not
-    taken from JAX's persistent cache, whose programs cannot be re-serialized) and saved. The
-    compile's freed memory goes back to the OS (`release_free_heap`)."""
+  def _compile(self, n: int, base_only: bool, clear_jax_caches: bool = True):
+    """The step of ``n`` tokens, compiled from the recorded argument shapes (`_abstract_args`);
+    with the step cache, really compiled here (not taken from JAX's persistent cache, whose
+    programs cannot be re-serialized) and saved. The compile's freed memory goes back to the
+    OS (`release_free_heap`; JAX's caches are kept while the device thread steps)."""
+    lower = lambda: self._run.lower(*self._abstract_args(n), bool(base_only))  # noqa: E731
     if self.step_cache_dir is None:
-      compiled = self.lower(self.shapes.empty(n), base_only).compile()
+      compiled = lower().compile()
     else:
       with step_cache.fresh_compile():
-        compiled = self.lower(self.shapes.empty(n), base_only).compile()
+        compiled = lower().compile()
       step_cache.save(self.step_cache_dir, self._cache_key(n, base_only), compiled)
-    release_free_heap(clear_jax_caches=True)
+    release_free_heap(clear_jax_caches=clear_jax_caches)
     return compiled
+
+  def _array_specs(self) -> tuple:
+    """The step's array arguments (parameters, stacked layers, pools) as ShapeDtypeStructs
+    with their shardings: what lowering and the step cache's key read. Their shapes never
+    change (a slot load writes into the banks), so they are taken once."""
+    spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
+    return jax.tree.map(spec, (self._params, self._layers, self.k_pool, self.v_pool))
+
+  def _abstract_args(self, n: int) -> tuple:
+    """The step's arguments for a batch of ``n`` tokens as ShapeDtypeStructs (the batch with
+    neutral controls, replicated like `_inputs`' arrays)."""
+    if self._specs is None:
+      self._specs = self._array_specs()
+    rows = self.shapes.lanes(n)
+    batch = dataclasses.replace(self.shapes.empty(n), controls=LogitControls.neutral(
+      rows, self.vocab_size, self.max_seq_len))
+    where = (self.layout.replicated if self.layout.mesh is not None
+             else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    batch = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+      np.shape(a), jax.dtypes.canonicalize_dtype(np.asarray(a).dtype), sharding=where), batch)
+    return (*self._specs, batch)
 
   def _probe(self, n: int, base_only: bool, progress=None) -> None:
     """Runs the program of ``n`` tokens once on a padding batch (it writes only the reserved
@@ -363,6 +434,7 @@ class PagedRunner:
     65530: an engine object that outlives its server must not keep them."""
     self._compiled.clear()
     self._copy_compiled = None
+    self.pending = []
     self.warm = False
 
   def _program_parts(self, n: int, base_only: bool) -> tuple:
@@ -373,8 +445,11 @@ class PagedRunner:
       return [(a.shape, str(a.dtype), str(getattr(a, "sharding", None)))
               for a in jax.tree.leaves(tree)]
 
+    if self._specs is None:
+      self._specs = self._array_specs()
+    params, layers, k_pool, v_pool = self._specs  # (no device array: a background thread asks)
     return (repr(self.model.config), str(self.model.dtype), str(self._state_def),
-            avals(self._params), avals(self._layers), avals((self.k_pool, self.v_pool)),
+            avals(params), avals(layers), avals((k_pool, v_pool)),
             repr(self.shapes), n, bool(base_only), self.scan_layers, str(self.mesh),
             os.environ.get("XLA_FLAGS", ""))  # e.g. the scheduler (`build.memory_scheduler`)
 

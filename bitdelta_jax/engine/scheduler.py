@@ -88,6 +88,10 @@ class Scheduler:
     self.running: list[Request] = []
     self.steps = 0  # iterations scheduled (the clock of `Request.progress_step`)
     self._in_step: list[Request] = []  # the requests of the step in progress (`recover`)
+    # token buckets whose program is ready, ascending (None: all of `shapes.buckets()`); set
+    # while larger ones compile in the background (`Generator.warmup`): a step is padded to
+    # the smallest ready bucket and holds at most the largest one's tokens
+    self.buckets: tuple[int, ...] | None = None
 
   @property
   def load(self) -> int:
@@ -208,6 +212,9 @@ class Scheduler:
     first two as (request, number of new tokens)."""
     decode, prefill, errors = [], [], []
     budget = self.prefill_chunk
+    if self.buckets is not None:  # the largest ready bucket holds this step; decode comes first
+      decoding = sum(1 for s in self.running if s.pending == 1)
+      budget = max(0, min(budget, self.buckets[-1] - decoding))
     for s in sorted(self.running, key=lambda x: x.order):
       if s not in self.running:  # preempted while planning an older one
         continue
@@ -342,7 +349,8 @@ class Scheduler:
     then the prompt chunks; padded to the token bucket (`StepShapes`)."""
     ps, sh = self.page_size, self.shapes
     n_tok = len(decode) + sum(n for _, n in prefill)
-    b = sh.empty(sh.bucket(n_tok))
+    b = sh.empty(sh.bucket(n_tok) if self.buckets is None
+                 else next(n for n in self.buckets if n >= n_tok))
     a = b.attention
     out_at: dict[int, int] = {}
     for r, (s, _) in enumerate(decode):

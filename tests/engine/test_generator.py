@@ -109,6 +109,44 @@ def test_every_step_runs_a_program_compiled_by_the_warmup(llama_path):
 
 
 @pytest.mark.slow
+def test_background_compile_serves_from_the_ready_buckets_then_from_all(llama_path):
+  """`warmup(background=True)`: the programs of 1 token and of max_rows tokens first; the rest
+  compile on a background thread (decode buckets first) and are made ready between steps.
+  Meanwhile no step is larger than the largest ready bucket (a long prompt runs in chunks of
+  it), none compiles, and the tokens are transformers'."""
+  import threading
+  import time
+
+  hf, path = llama_path
+  gen = Generator(from_pretrained(path, jnp.float32, num_slots=2), max_rows=8,
+                  max_seq_len=64, page_size=4, prefill_chunk=24)
+  release = threading.Event()
+  gen.warmup(background=True, on_compiled=lambda: release.wait(120))  # holds after bucket 2
+  r = gen.runner
+  assert r.ready_buckets(False) == (1, 8)
+  assert {n for n, _ in r.pending} == {2, 4, 16, 32}
+  r.guard = True  # a step that needs a program not ready raises
+  long_prompt = list(RNG.randint(3, 256, 30))
+  res = gen.generate([long_prompt, PROMPTS[0]], params=SamplingParams(max_new_tokens=4))
+  assert max(n for n, _ in gen.shapes_run) == 8  # 30 prompt tokens in chunks of <= 8 - decode
+  assert r.ready_buckets(False) in ((1, 8), (1, 2, 8))  # bucket 2 may have been promoted
+  assert res[0].tokens == hf_greedy(hf, long_prompt, 4)
+  assert res[1].tokens == hf_greedy(hf, PROMPTS[0], 4)
+  release.set()
+  deadline = time.monotonic() + 300
+  while gen.pending_buckets and time.monotonic() < deadline:
+    gen.promote()  # what the engine's device thread runs when told (or a step does)
+    time.sleep(0.05)
+  assert r.ready_buckets(False) == tuple(gen.shapes.buckets()) and not gen.pending_buckets
+  assert gen.schedulers[0].buckets is None and r.compiles_after_warmup == 0
+  gen.shapes_run.clear()
+  other = list(RNG.randint(3, 256, 30))  # (not the first: its pages are cached)
+  res = gen.generate([other], params=SamplingParams(max_new_tokens=4))
+  assert (32, False) in gen.shapes_run  # the whole prompt in one step now
+  assert res[0].tokens == hf_greedy(hf, other, 4)
+
+
+@pytest.mark.slow
 def test_long_prompt_is_chunked_and_decode_rows_keep_stepping(llama_path):
   hf, path = llama_path
   gen = Generator(from_pretrained(path, jnp.float32), max_rows=2, max_seq_len=64,

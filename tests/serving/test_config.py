@@ -75,6 +75,9 @@ def test_cli_flags(tmp_path):
   assert (c.port, c.api_key, c.device_slots, c.host_cache_mb, c.top_n_pin, c.max_batch,
           c.max_seq_len) == (0, "k", 3, 64.0, 1, 4, 256)
   assert c.shutdown_grace_s == 10.0
+  assert c.background_compile and c.engine_config().background_compile  # the default
+  assert not config_from_args(parse(["serve", "--base", "/m/b", "--compile-all-first"])
+                              ).engine_config().background_compile
   assert config_from_args(parse(["serve", "--base", "/m/b", "--shutdown-grace", "2.5"])
                           ).shutdown_grace_s == 2.5
   with pytest.raises(ConfigError, match="shutdown_grace_s: must be >= 0"):

@@ -97,6 +97,26 @@ def test_health_needs_no_key(server):
   assert r.status_code == 200 and r.json()["status"] == "ok"
 
 
+def test_health_names_the_ready_and_compiling_step_buckets(server):
+  """Serving starts once the 1-token and max_batch-token programs are ready; the others
+  compile in the background (`Generator.warmup(background=True)`) and /health says which."""
+  cfg = server.cfg
+  budget = cfg.max_batch + cfg.prefill_chunk
+  want, b = [], 1
+  while b < budget:
+    want, b = want + [b], 2 * b
+  want.append(budget)
+  deadline = time.monotonic() + 300
+  while True:
+    h = requests.get(server.url + "/health", timeout=10).json()
+    ready, compiling = h["buckets"]["ready"], h["buckets"]["compiling"]
+    assert {1, 4} <= set(ready) and sorted(ready + compiling) == want, h  # max_batch 4
+    if not compiling or time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  assert ready == want and h["compiled_programs"] == len(want), h
+
+
 @pytest.mark.parametrize("method,path", [
   ("get", "/v1/models"), ("get", "/metrics"), ("get", "/v1/variants"),
   ("post", "/v1/completions"), ("post", "/v1/chat/completions"), ("post", "/v1/variants"),

@@ -28,7 +28,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}
-ARGS = ["--max-batch", "2", "--prefill-chunk", "16", "--max-seq-len", "128", "--device-slots", "2"]
+# every program before serving (not the larger ones in the background): the restart must load
+# each, and both runs step through the same programs
+ARGS = ["--max-batch", "2", "--prefill-chunk", "16", "--max-seq-len", "128", "--device-slots", "2",
+        "--compile-all-first"]
 
 
 def free_port() -> int:
