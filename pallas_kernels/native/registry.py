@@ -27,8 +27,7 @@ MODULES = (
   "pallas_kernels.delta_matmul.cpu",  # the delta term, the merged product, the expansion
   "pallas_kernels.delta_matmul.cpu_rows",  # the few-rows kernel (decode)
   "pallas_kernels.quant_matmul.cpu_rows",  # a GGUF base's products over its blocks
-  "pallas_kernels.small_matmul.cpu",  # f32 small-M products, the tied head's x·Eᵀ
-  "pallas_kernels.small_matmul.cpu_bf16",  # the same for bf16
+  "pallas_kernels.small_matmul.cpu",  # small-M products, the tied head's x·Eᵀ (f32, bf16)
   "pallas_kernels.paged_attention.cpu",  # decode attention, the in-place K/V write, the gather
 )
 

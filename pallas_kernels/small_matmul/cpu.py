@@ -6,7 +6,8 @@ both the bandwidth and the FLOP rate: at 8 rows it costs nearly what 32 rows do.
 ``cpu_kernel.cc`` streams W once per 8 rows with all cores (a persistent thread pool splits
 the columns). `DeltaDense` uses it for ``MIN_ROWS <= M <= MAX_ROWS`` f32 rows on the CPU
 backend; everything else stays with XLA (see bench/results/kernels/small_matmul_cpu.md).
-bf16 weights have their own kernels (`cpu_bf16`); `dense_f32` dispatches to either.
+bf16 weights have their own kernels (`cpu_bf16`: the same source and library, its loops
+templated on the weight type); `dense_f32` dispatches to either.
 The NT kernel ``x · Eᵀ`` is the tied LM head's (``E [V, D]``, `small_matmul_nt`): XLA's f32
 ``h · Eᵀ`` reads SmolLM2's 113 MB embedding at the memory bandwidth at one row but at 60-50% of it
 at 2-16 rows; the kernel streams E once per call with all cores for ``NT_MIN_ROWS <= M <=
@@ -24,6 +25,7 @@ the pool; ``BITDELTA_SMALL_MATMUL=0`` turns them (and the bf16 kernels) off,
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import pathlib
 
@@ -37,27 +39,26 @@ from pallas_kernels.native.registry import NativeKernel
 MIN_ROWS, MAX_ROWS = 2, 16
 NT_MIN_ROWS, NT_MAX_ROWS = 1, 16
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
-_TARGET = "bitdelta_small_matmul"  # NN; the NT entry is _TARGET + "_nt"
+_TARGET = "bitdelta_small_matmul"  # a build's name: its f32 NN entry, the others suffixed
 
-
+# one library for f32 and bf16 weights (`cpu_bf16` calls the last two entries)
 KERNELS = (NativeKernel("small_matmul", _SOURCE, (
-  (_TARGET, "BitdeltaSmallMatmul"), (_TARGET + "_nt", "BitdeltaSmallMatmulNt")),
+  (_TARGET, "BitdeltaSmallMatmul"), (_TARGET + "_nt", "BitdeltaSmallMatmulNt"),
+  (_TARGET + "_bf16", "BitdeltaSmallMatmulBf16"),
+  (_TARGET + "_bf16_nt", "BitdeltaSmallMatmulBf16Nt")),
   "the CPU small-matmul kernel"),)
 
 
-def build_target(arch: tuple[str, ...], target: str) -> None:
+def build_target(arch: tuple[str, ...], target: str) -> ctypes.CDLL:
   """Builds the kernels with target flags ``arch`` (``()``: portable code, no AVX-512) and
-  registers them as ``target`` and ``target + "_nt"``: for tests of the paths this machine's
-  native build does not take."""
-  registry.build_variant(KERNELS[0], arch, target)
+  registers them as ``target`` (f32 NN), ``target + "_nt"``, ``target + "_bf16"`` and
+  ``target + "_bf16_nt"`` (pass ``target`` to the functions here and in `cpu_bf16`): for tests
+  of the paths this machine's native build does not take."""
+  return registry.build_variant(KERNELS[0], arch, target)
 
 
 def _load() -> str | None:
-  """Builds and registers the f32 kernels (and the bf16 kernels, if they build); None or why
-  not."""
-  from . import cpu_bf16
-
-  cpu_bf16._load()
+  """Builds and registers the kernels (f32 and bf16: one library); None or why not."""
   return registry.load(KERNELS[0])[1]
 
 

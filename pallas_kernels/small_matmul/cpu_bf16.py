@@ -2,7 +2,8 @@
 
 Why: bf16 weights are half the bytes of f32 ones and a decode step is bound by reading them,
 but XLA's CPU bf16 dot is slow at one row (its ``x · Eᵀ`` LM head ~8x slower than f32 on
-SmolLM2, the kernel ~15-25x faster than it). ``cpu_bf16_kernel.cc`` has two kernels: NN
+SmolLM2, the kernel ~15-25x faster than it). ``cpu_kernel.cc`` (the f32 kernels' source,
+templated on the weight type; one library) has two kernels for bf16: NN
 ``x · W`` for ``[in, out]`` Linear kernels and NT ``x · Eᵀ`` for a tied embedding ``[V, D]``
 used as the LM head. Where the build
 has AVX-512 BF16 and the CPU reports it at run time they use ``vdpbf16ps`` (pairs of adjacent
@@ -23,14 +24,14 @@ one thread pool (``pallas_kernels/native/pool.h``); ``$BITDELTA_CPU_THREADS`` ca
 from __future__ import annotations
 
 import functools
-import pathlib
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import settings
 from pallas_kernels.native import registry
-from pallas_kernels.native.registry import NativeKernel
+
+from . import cpu
 
 # Rows up to which the kernels run (bench/results/kernels/cpu_bf16.md, ratios to XLA inside programs
 # over seven runs of the bench on this shared machine): the NN kernel beat XLA's dot with f32
@@ -40,32 +41,25 @@ from pallas_kernels.native.registry import NativeKernel
 # 0.92 at 64 (two of five above 1 there).
 MAX_ROWS = 1
 NT_MAX_ROWS = 16
-_SOURCE = pathlib.Path(__file__).with_name("cpu_bf16_kernel.cc")
-_TARGET = "bitdelta_small_matmul_bf16"  # NN; the NT entry is _TARGET + "_nt"
-
-
-KERNELS = (NativeKernel("small_matmul_bf16", _SOURCE, (
-  (_TARGET, "BitdeltaSmallMatmulBf16"), (_TARGET + "_nt", "BitdeltaSmallMatmulBf16Nt")),
-  "the CPU bf16 small-matmul kernels"),)
 
 
 def _load() -> str | None:
   """Builds (once per machine and source version) and registers the kernels; None or why not."""
-  return registry.load(KERNELS[0])[1]
+  return cpu._load()
 
 
 def isa() -> int | None:
   """The path the native build runs here: 1 ``vdpbf16ps``, 0 widen + FMA; None if unbuilt."""
-  lib = registry.load(KERNELS[0])[0]
+  lib = registry.load(cpu.KERNELS[0])[0]
   return None if lib is None else int(lib.BitdeltaSmallMatmulBf16Isa())
 
 
 def build_target(arch: tuple[str, ...], target: str) -> int:
   """Builds the kernels with target flags ``arch`` (``("-march=native", "-mno-avx512bf16")``:
-  the widening path in AVX-512 code; ``()``: portable) and registers them as FFI targets
-  ``target`` and ``target + "_nt"`` (pass ``target`` to the functions below); returns the
-  `isa` that build runs. For tests of the paths this machine's native build does not take."""
-  return int(registry.build_variant(KERNELS[0], arch, target).BitdeltaSmallMatmulBf16Isa())
+  the widening path in AVX-512 code; ``()``: portable) and registers them under the build name
+  ``target`` (`cpu.build_target`; pass ``target`` to the functions below); returns the `isa`
+  that build runs. For tests of the paths this machine's native build does not take."""
+  return int(cpu.build_target(arch, target).BitdeltaSmallMatmulBf16Isa())
 
 
 def _usable(m: int, limit: int, x_dtype, w_dtype) -> bool:
@@ -113,7 +107,7 @@ def _ffi(target: str, x, w, n: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _nn(x, w, target):
-  return _ffi(target, x, w, w.shape[1])
+  return _ffi(target + "_bf16", x, w, w.shape[1])
 
 
 def _nn_fwd(x, w, target):
@@ -132,7 +126,7 @@ _nn.defvjp(_nn_fwd, _nn_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _nt(x, e, target):
-  return _ffi(target + "_nt", x, e, e.shape[0])
+  return _ffi(target + "_bf16_nt", x, e, e.shape[0])
 
 
 def _nt_fwd(x, e, target):
@@ -157,14 +151,17 @@ def _check(w) -> None:
     raise NotImplementedError(f"the bf16 kernels take bf16 weights, got {w.dtype}")
 
 
-def small_matmul_bf16(x_MxK: jax.Array, w_KxN: jax.Array, *, target: str = _TARGET) -> jax.Array:
+def small_matmul_bf16(x_MxK: jax.Array, w_KxN: jax.Array, *, target: str = cpu._TARGET
+                      ) -> jax.Array:
   """``bf16(x) · W`` for bf16 ``W [K, N]``: f32 ``[M, N]``, f32 sums (raises
-  NotImplementedError if the kernels cannot be built). ``target``: another build."""
+  NotImplementedError if the kernels cannot be built). ``target``: another build's name
+  (`build_target`)."""
   _check(w_KxN)
   return _nn(x_MxK, w_KxN, target)
 
 
-def small_matmul_bf16_nt(x_MxK: jax.Array, e_NxK: jax.Array, *, target: str = _TARGET) -> jax.Array:
+def small_matmul_bf16_nt(x_MxK: jax.Array, e_NxK: jax.Array, *, target: str = cpu._TARGET
+                         ) -> jax.Array:
   """``bf16(x) · Eᵀ`` for bf16 ``E [N, K]`` (a tied LM head): f32 ``[M, N]``, f32 sums."""
   _check(e_NxK)
   return _nt(x_MxK, e_NxK, target)

@@ -45,7 +45,7 @@ def _cpu_flags() -> set[str]:
 
 @pytest.fixture(scope="module")
 def targets():
-  out = {"native": ("bitdelta_small_matmul_bf16", cpu_bf16.isa())}
+  out = {"native": ("bitdelta_small_matmul", cpu_bf16.isa())}  # build names (`cpu.build_target`)
   for name, arch in BUILDS.items():
     if arch is not None:
       target = f"bitdelta_small_matmul_bf16_test_{name}"
