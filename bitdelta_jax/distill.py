@@ -365,7 +365,13 @@ def distill_checkpoint(base_dir, ft_dir, delta_dir, calibration, cfg: DistillCon
   elif isinstance(calibration, np.ndarray):
     ids, source = calibration, "token array"
   else:
-    ids = np.concatenate(calibration)
+    parts = [np.asarray(x) for x in calibration]
+    if not parts or any(x.ndim != 1 or not np.issubdtype(x.dtype, np.integer) for x in parts):
+      first = type(calibration[0]).__name__ if len(calibration) else "nothing"
+      raise TypeError("distill: calibration must be a path, a token array or a non-empty list "
+                      "of token arrays (task examples already encoded, e.g. by "
+                      f"bitdelta_jax.zoo.data.example_ids); got a list of {first}")
+    ids = np.concatenate(parts)
     source = f"{len(calibration)} task examples"
   student = build_student(base_dir, ft_dir, delta)
   teacher = from_pretrained(ft_dir, dtype=jnp.float32)

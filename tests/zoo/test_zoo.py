@@ -86,6 +86,9 @@ def test_distillation_trains_only_scales_and_reduces_loss(micro, tmp_path):
   snapshot = shutil.copytree(d, tmp_path / "snap")
   with pytest.raises(ValueError, match="calib.jsonl:1"):
     distill_checkpoint(base_dir, ft_dir, d, bad, DistillConfig(steps=2))
+  # (prompt, answer) pairs (the form before the zoo encoded its own examples) name the fix
+  with pytest.raises(TypeError, match="list of token arrays.*got a list of tuple"):
+    distill_checkpoint(base_dir, ft_dir, d, [("1+1", "2")], DistillConfig(steps=2))
   assert read_manifest(d) == read_manifest(snapshot)
 
 
