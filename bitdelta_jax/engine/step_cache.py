@@ -10,7 +10,7 @@ depends on, and loads it without tracing:
     key = step_key(parts)            # a hash of the code, the versions, the machine, the shapes
     compiled = load(root, key)       # None when absent or unreadable (then compile and `save`)
 
-The key covers the source of `bitdelta_jax` and `pallas_kernels` (every .py and .cc file), the
+The key covers the source of `bitdelta_jax` and `pallas_kernels` (every .py, .cc, .h file), the
 jax and jaxlib versions, the backend and its devices, the CPU model and flags, ``XLA_FLAGS``,
 and the caller's parts (model config, dtypes, every input's shape, dtype and sharding, static
 arguments). A stale or foreign entry therefore never matches; an entry that fails to load is
@@ -49,12 +49,13 @@ _ROOTS = ("bitdelta_jax", "pallas_kernels")
 
 @functools.cache
 def code_fingerprint() -> str:
-  """A hash of every .py and .cc file of the packages that build the step."""
+  """A hash of every .py, .cc and .h file (the native kernels' shared headers too) of the
+  packages that build the step."""
   top = pathlib.Path(__file__).resolve().parents[2]
   h = hashlib.sha256()
   for root in _ROOTS:
     for p in sorted((top / root).rglob("*")):
-      if p.suffix in (".py", ".cc") and p.is_file():
+      if p.suffix in (".py", ".cc", ".h") and p.is_file():
         h.update(str(p.relative_to(top)).encode())
         h.update(p.read_bytes())
   return h.hexdigest()

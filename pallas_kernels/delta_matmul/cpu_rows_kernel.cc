@@ -32,7 +32,9 @@
 #include <cstring>
 #include <vector>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
+// pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
+#include "lut_delta.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -44,6 +46,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using bitdelta_native::Pool;
+namespace lut = bitdelta_native::lut;
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
@@ -242,66 +245,42 @@ void Step16(const Args& a, const T* w, float* acc, int64_t k, int64_t n16,
 constexpr int64_t kLutMaxRows = BITDELTA_LUT_MAX_ROWS;
 
 // acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1]) for the rows of each slot in `a.lut`; k0, k1 on
-// group boundaries. x·S = 2·x·B − Σx (B the 0/1 bits): per packed byte row (8 rows of K, bit j
-// of the byte for row g*G + j*P + p) each row gets two 16-entry tables of 2·Σ x over the set
-// bits of a nibble, and `vpermps` looks up 16 columns' nibbles at once.
+// group boundaries. x·S = 2·x·B − Σx (B the 0/1 bits): per packed byte row each row gets two
+// 16-entry tables of 2·Σx over the set bits of a nibble (`lut_delta.h`), looked up for 16
+// columns at once; byte row after byte row over all N columns, the sums in memory.
 void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
   const int64_t N = a.N, K = a.K, G = a.G, P = G / 8, n16 = N / 16 * 16;
   thread_local std::vector<float> dsum;
   for (const Group& g : *a.lut) {
-    const int64_t nr = int64_t(g.rows.size());
+    const int nr = int(g.rows.size());
+    const float* xr[kLutMaxRows];
+    for (int i = 0; i < nr; ++i) xr[i] = a.x + g.rows[i] * K;
     dsum.assign(nr * N, 0.f);
     float* d = dsum.data();
     for (int64_t gk = k0; gk < k1; gk += G)
       for (int64_t p = 0; p < P; ++p) {
-        const int64_t byte_row = gk / G * P + p;
-        const uint8_t* b = a.bits + ((g.slot - a.first) * a.KP + byte_row) * N;
+        const uint8_t* b = a.bits + ((g.slot - a.first) * a.KP + gk / G * P + p) * N;
         __m512 tlo[kLutMaxRows], thi[kLutMaxRows];
-        for (int64_t i = 0; i < nr; ++i) {
-          __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
-          const __mmask16 lane_bit[4] = {0xAAAA, 0xCCCC, 0xF0F0, 0xFF00};
-          for (int j = 0; j < 8; ++j) {
-            const int64_t k = gk + j * P + p;
-            const float v = k < K ? 2.f * a.x[g.rows[i] * K + k] : 0.f;
-            if (j < 4) lo = _mm512_mask_add_ps(lo, lane_bit[j], lo, _mm512_set1_ps(v));
-            else hi = _mm512_mask_add_ps(hi, lane_bit[j - 4], hi, _mm512_set1_ps(v));
-          }
-          tlo[i] = lo;
-          thi[i] = hi;
-        }
-        for (int64_t n = 0; n < n16; n += 16) {
-          const __m512i il = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + n)));
-          const __m512i ih = _mm512_srli_epi32(il, 4);
-          for (int64_t i = 0; i < nr; ++i) {
-            __m512 s = _mm512_loadu_ps(d + i * N + n);
-            s = _mm512_add_ps(s, _mm512_add_ps(_mm512_permutexvar_ps(il, tlo[i]),
-                                               _mm512_permutexvar_ps(ih, thi[i])));
-            _mm512_storeu_ps(d + i * N + n, s);
-          }
-        }
-        for (int64_t n = n16; n < N; ++n)
-          for (int j = 0; j < 8; ++j) {
-            const int64_t k = gk + j * P + p;
-            if (k < K && (b[n] >> j) & 1)
-              for (int64_t i = 0; i < nr; ++i) d[i * N + n] += 2.f * a.x[g.rows[i] * K + k];
-          }
+        for (int i = 0; i < nr; ++i) lut::NibbleTables(xr[i], gk, P, p, K, &tlo[i], &thi[i]);
+        lut::NibbleRows(b, n16, tlo, thi, nr, d, N);
+        lut::SetBitsRows(b + n16, N - n16, xr, nr, gk, P, p, K, d + n16, N);
       }
-    for (int64_t i = 0; i < nr; ++i) {
-      const int64_t r = g.rows[i];
+    const float* al = a.scale + (g.slot - a.first) * N;
+    for (int i = 0; i < nr; ++i) {
       float total = 0.f;
-      for (int64_t k = k0; k < std::min(k1, K); ++k) total += a.x[r * K + k];
-      const float* al = a.scale + (g.slot - a.first) * N;
-      for (int64_t n = 0; n < N; ++n) acc[r * N + n] += al[n] * (d[i * N + n] - total);
+      for (int64_t k = k0; k < std::min(k1, K); ++k) total += xr[i][k];
+      lut::AddScaled(acc + g.rows[i] * N, al, d + i * N, total, N);
     }
   }
 }
 #else
 #if defined(__AVX2__) && defined(__FMA__)
-// AVX2: a slot with few rows adds its delta by lookups, as `quant_matmul/cpu_rows_kernel.cc`'s
-// `Delta`: per packed byte row, three 8-entry tables of 2·Σx over the set bits of fields 0-2,
-// 3-5 and 6-7, looked up for 8 columns at once (vpermps, ~6 operations per row per 8 rows of K
-// and 8 columns); a larger slot blends W ± α in the W pass (~4 per row of K and 8 columns,
-// whatever its rows). Measured at 8 and 16 rows of one slot the two were within the noise.
+// AVX2: a slot with few rows adds its delta by lookups (`lut_delta.h`), as
+// `quant_matmul/cpu_rows_kernel.cc`'s `Delta`: per packed byte row, three 8-entry tables of
+// 2·Σx over the set bits of fields 0-2, 3-5 and 6-7, looked up for 8 columns at once (vpermps,
+// ~6 operations per row per 8 rows of K and 8 columns); a larger slot blends W ± α in the W
+// pass (~4 per row of K and 8 columns, whatever its rows). Measured at 8 and 16 rows of one
+// slot the two were within the noise.
 #ifndef BITDELTA_LUT_MAX_ROWS_AVX2
 #define BITDELTA_LUT_MAX_ROWS_AVX2 4
 #endif
@@ -318,16 +297,12 @@ void LutCols(const __m256* tab, const uint8_t* bits, int64_t nbr, int64_t N, int
 #pragma GCC unroll 8
     for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nbr; ++b) {
-      const __m256i i0 = _mm256_cvtepu8_epi32(
-          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bits + b * N + n)));
-      const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
+      __m256i i0, i1, i2;
+      lut::FieldIndex(bits + b * N + n, &i0, &i1, &i2);
       const __m256* t = tab + b * R * 3;
 #pragma GCC unroll 8
       for (int i = 0; i < R; ++i)
-        s[i] = _mm256_add_ps(
-            s[i], _mm256_add_ps(_mm256_add_ps(_mm256_permutevar8x32_ps(t[3 * i], i0),
-                                              _mm256_permutevar8x32_ps(t[3 * i + 1], i1)),
-                                _mm256_permutevar8x32_ps(t[3 * i + 2], i2)));
+        s[i] = _mm256_add_ps(s[i], lut::FieldLookup(i0, i1, i2, t + 3 * i));
     }
     const __m256 alv = _mm256_loadu_ps(al + n);
 #pragma GCC unroll 8
@@ -347,12 +322,8 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
   const int64_t nbr = (k1 - k0 + G - 1) / G * P;
   thread_local std::vector<__m256> tab;
   if (int64_t(tab.size()) < nbr * kRd * 3) tab.resize(nbr * kRd * 3);
-  // lane i of a table has bit f of i set: lane masks for the fields of each table
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 fmask[3];
-  for (int f = 0; f < 3; ++f)
-    fmask[f] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-        _mm256_and_si256(lane, _mm256_set1_epi32(1 << f)), _mm256_set1_epi32(1 << f)));
+  lut::FieldMasks(fmask);
   for (const Group& g : *a.lut) {
     const uint8_t* bits = a.bits + ((g.slot - a.first) * a.KP + k0 / G * P) * N;
     const float* al = a.scale + (g.slot - a.first) * N;
@@ -367,18 +338,8 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
       __m256* t = tab.data();
       for (int64_t b = 0; b < nbr; ++b) {
         const int64_t gk = k0 + b / P * G, p = b % P;
-        for (int i = 0; i < nr; ++i) {
-          const float* x = a.x + rows[i] * K;
-          for (int tb = 0; tb < 3; ++tb) {
-            __m256 v = _mm256_setzero_ps();
-            for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
-              const int64_t k = gk + (3 * tb + f) * P + p;
-              const float xv = k < K ? 2.f * x[k] : 0.f;
-              v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
-            }
-            t[(b * nr + i) * 3 + tb] = v;
-          }
-        }
+        for (int i = 0; i < nr; ++i)
+          lut::FieldTables(a.x + rows[i] * K, gk, P, p, K, fmask, t + (b * nr + i) * 3);
       }
       switch (nr) {
         case 1: LutCols<1>(t, bits, nbr, N, n8, acc, rows, al, total); break;
@@ -393,13 +354,8 @@ void LutDelta(const Args& a, float* acc, int64_t k0, int64_t k1) {
       for (int64_t n = n8; n < N; ++n)  // the columns past the last full vector
         for (int i = 0; i < nr; ++i) {
           float d = 0.f;
-          for (int64_t b = 0; b < nbr; ++b) {
-            const int64_t gk = k0 + b / P * G, p = b % P;
-            for (int j = 0; j < 8; ++j) {
-              const int64_t k = gk + j * P + p;
-              if (k < K && (bits[b * N + n] >> j) & 1) d += 2.f * a.x[rows[i] * K + k];
-            }
-          }
+          for (int64_t b = 0; b < nbr; ++b)
+            d = lut::AddSetBits(d, bits[b * N + n], a.x + rows[i] * K, k0 + b / P * G, P, b % P, K);
           acc[rows[i] * N + n] += al[n] * (d - total[i]);
         }
     }

@@ -8,7 +8,8 @@ the compiler, the extra key (e.g. the jax version for FFI headers) and the share
 reason and fall back to pure XLA/numpy.
 
 Shared headers (this folder, on every build's include path): ``pool.h``, the kernels'
-persistent thread pool. A library that includes it exports ``BitdeltaPoolShare``;
+persistent thread pool; ``lut_delta.h``, the 1-bit delta term's table lookups (the delta and
+quant CPU rows kernels). A library that includes ``pool.h`` exports ``BitdeltaPoolShare``;
 `build` hands each such library the pool of the ones loaded before it, so a process has one
 pool (one set of worker threads) whatever the number of kernel libraries.
 """

@@ -17,8 +17,9 @@
 // partials), then runs of whole blocks along K (their own [M, N] partials, added at the end).
 // A slot present adds α_s ⊙ (x·S_s) after the task's blocks, reading its bit plane once:
 // x·S = 2·x·B − Σx, where 2·x·B is three lookups per packed byte (8 rows of K) and 8 columns
-// into 8-entry tables of subset sums of the byte's x values (vpermps; the f32 kernel's
-// `LutDelta` uses 16-entry AVX-512 tables the same way). More than 16 rows (prefill chunks):
+// into 8-entry tables of subset sums of the byte's x values (vpermps; AVX-512: two into 16-entry
+// tables per 16 columns; tables and lookups in `native/lut_delta.h`, shared with the f32
+// kernel's `LutDelta`). More than 16 rows (prefill chunks):
 // passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
 // (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md).
 //
@@ -45,7 +46,9 @@
 #include <numeric>
 #include <vector>
 
-#include "pool.h"  // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
+// pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
+#include "lut_delta.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -64,6 +67,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using bitdelta_native::Pool;
+namespace lut = bitdelta_native::lut;
 
 enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 constexpr int64_t kBlock = 32;
@@ -429,8 +433,9 @@ void Base(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int6
 }
 
 // acc[r] += α_s ⊙ (x[r, k0:k1] · S_s[k0:k1, n0:n1]) for the rows of every slot present; k0 on a
-// group boundary. Per packed byte row (bit j: K row g·G + j·P + p) each row gets three tables
-// of 2·Σx over the set bits of fields 0-2, 3-5 and 6-7, looked up for 8 columns at once.
+// group boundary. Per packed byte row each row gets three tables of 2·Σx over the set bits of
+// fields 0-2, 3-5 and 6-7 (`lut_delta.h`), looked up for 8 columns at once; byte row after byte
+// row, the sums in memory.
 [[maybe_unused]] void Delta(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int64_t n0,
            int64_t n1) {
   constexpr int kRd = 4;  // rows per pass over the bits
@@ -438,74 +443,52 @@ void Base(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int6
   const int64_t n8 = n0 + nc / 8 * 8;
   thread_local std::vector<float> dsum;
   if (int64_t(dsum.size()) < kRd * nc) dsum.resize(kRd * nc);
-  // lane i of table t has bit f set: lane masks for the 3, 3 and 2 fields of each table
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 fmask[3];
-  for (int f = 0; f < 3; ++f)
-    fmask[f] = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
-        _mm256_and_si256(lane, _mm256_set1_epi32(1 << f)), _mm256_set1_epi32(1 << f)));
+  lut::FieldMasks(fmask);
   for (const Group& g : *p.slots) {
     const uint8_t* bits = a.bits + (g.slot - a.first) * a.KP * N;
     const float* al = a.scale + (g.slot - a.first) * N;
     for (size_t r0 = 0; r0 < g.rows.size(); r0 += kRd) {
       const int nr = int(std::min<size_t>(kRd, g.rows.size() - r0));
       const int64_t* rows = g.rows.data() + r0;
+      const float* xr[kRd];
+      for (int i = 0; i < nr; ++i) xr[i] = p.x + rows[i] * K;
       float* d = dsum.data();
       std::fill(d, d + nr * nc, 0.f);
       for (int64_t gk = k0; gk < k1; gk += G)
         for (int64_t pp = 0; pp < P; ++pp) {
           const uint8_t* br = bits + (gk / G * P + pp) * N;
           __m256 t[kRd][3];
-          for (int i = 0; i < nr; ++i) {
-            const float* x = p.x + rows[i] * K;
-            for (int tb = 0; tb < 3; ++tb) {
-              __m256 v = _mm256_setzero_ps();
-              for (int f = 0; f < (tb == 2 ? 2 : 3); ++f) {
-                const int64_t k = gk + (3 * tb + f) * P + pp;
-                const float xv = k < k1 ? 2.f * x[k] : 0.f;
-                v = _mm256_add_ps(v, _mm256_and_ps(fmask[f], _mm256_set1_ps(xv)));
-              }
-              t[i][tb] = v;
-            }
-          }
+          for (int i = 0; i < nr; ++i) lut::FieldTables(xr[i], gk, P, pp, k1, fmask, t[i]);
           for (int64_t n = n0; n < n8; n += 8) {
-            const __m256i i0 = _mm256_cvtepu8_epi32(
-                _mm_loadl_epi64(reinterpret_cast<const __m128i*>(br + n)));
-            const __m256i i1 = _mm256_srli_epi32(i0, 3), i2 = _mm256_srli_epi32(i0, 6);
+            __m256i i0, i1, i2;
+            lut::FieldIndex(br + n, &i0, &i1, &i2);
             for (int i = 0; i < nr; ++i) {
               float* dp = d + i * nc + (n - n0);
-              const __m256 v = _mm256_add_ps(
-                  _mm256_add_ps(_mm256_permutevar8x32_ps(t[i][0], i0),
-                                _mm256_permutevar8x32_ps(t[i][1], i1)),
-                  _mm256_permutevar8x32_ps(t[i][2], i2));
-              _mm256_storeu_ps(dp, _mm256_add_ps(_mm256_loadu_ps(dp), v));
+              _mm256_storeu_ps(dp, _mm256_add_ps(_mm256_loadu_ps(dp),
+                                                 lut::FieldLookup(i0, i1, i2, t[i])));
             }
           }
-          for (int64_t n = n8; n < n1; ++n)
-            for (int j = 0; j < 8; ++j) {
-              const int64_t k = gk + j * P + pp;
-              if (k < k1 && (br[n] >> j) & 1)
-                for (int i = 0; i < nr; ++i) d[i * nc + (n - n0)] += 2.f * p.x[rows[i] * K + k];
-            }
+          lut::SetBitsRows(br + n8, n1 - n8, xr, nr, gk, P, pp, k1, d + (n8 - n0), nc);
         }
       for (int i = 0; i < nr; ++i) {
         const int64_t r = rows[i];
         float total = 0.f;  // Σ x[r, k0:k1] from the blocks' sums
         for (int64_t b = k0 / kBlock; b < k1 / kBlock; ++b) total += p.sx[r * a.nb + b];
-        for (int64_t n = n0; n < n1; ++n) acc[r * N + n] += al[n] * (d[i * nc + (n - n0)] - total);
+        lut::AddScaled(acc + r * N + n0, al + n0, d + i * nc, total, nc);
       }
     }
   }
 }
 
 #if QROWS_AVX512
-// `Delta` with 16-entry tables (AVX-512F `vpermps` on zmm): per packed byte two lookups (bits
-// 0-3 and 4-7) for 16 columns at once, instead of three for 8. The tables (2·Σx over each
-// subset of a nibble's 4 K rows, per byte row and row) are built once per K range; the columns
-// go in blocks of kDeltaCols, each block's sums for up to 4 rows staying in L1 while every byte
-// row of the range is added in (its bytes read as a contiguous run, byte row after byte row:
-// walking one 64-column tile down all byte rows, sums in registers, was 2x slower: a stride-N
-// read per byte row). Sums in another order than `Delta`: agrees to f32 rounding.
+// `Delta` with 16-entry tables (AVX-512F `vpermps` on zmm, `lut_delta.h`): per packed byte two
+// lookups (bits 0-3 and 4-7) for 16 columns at once, instead of three for 8. The tables (2·Σx
+// over each subset of a nibble's 4 K rows, per byte row and row) are built once per K range;
+// the columns go in blocks of kDeltaCols, each block's sums for up to 4 rows staying in L1 while
+// every byte row of the range is added in (its bytes read as a contiguous run, byte row after
+// byte row: walking one 64-column tile down all byte rows, sums in registers, was 2x slower: a
+// stride-N read per byte row). Sums in another order than `Delta`: agrees to f32 rounding.
 constexpr int64_t kDeltaCols = 512;
 
 void Delta512(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, int64_t n0,
@@ -517,7 +500,6 @@ void Delta512(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, 
   thread_local std::vector<float> tab, dsum;
   if (int64_t(tab.size()) < nbr * kRd * 32) tab.resize(nbr * kRd * 32);
   if (int64_t(dsum.size()) < kRd * kDeltaCols) dsum.resize(kRd * kDeltaCols);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (const Group& g : *p.slots) {
     const uint8_t* bits = a.bits + ((g.slot - a.first) * a.KP + k0 / G * P) * N;
     const float* al = a.scale + (g.slot - a.first) * N;
@@ -527,16 +509,10 @@ void Delta512(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, 
       for (int64_t gk = k0, b = 0; gk < k1; gk += G)
         for (int64_t pp = 0; pp < P; ++pp, ++b)
           for (int i = 0; i < nr; ++i) {
-            const float* x = p.x + rows[i] * K;
-            __m512 t[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-            for (int f = 0; f < 8; ++f) {
-              const int64_t k = gk + f * P + pp;
-              const float xv = k < k1 ? 2.f * x[k] : 0.f;
-              const __mmask16 m = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(1 << (f & 3)));
-              t[f >> 2] = _mm512_mask_add_ps(t[f >> 2], m, t[f >> 2], _mm512_set1_ps(xv));
-            }
-            _mm512_storeu_ps(tab.data() + (b * kRd + i) * 32, t[0]);
-            _mm512_storeu_ps(tab.data() + (b * kRd + i) * 32 + 16, t[1]);
+            __m512 lo, hi;
+            lut::NibbleTables(p.x + rows[i] * K, gk, P, pp, k1, &lo, &hi);
+            _mm512_storeu_ps(tab.data() + (b * kRd + i) * 32, lo);
+            _mm512_storeu_ps(tab.data() + (b * kRd + i) * 32 + 16, hi);
           }
       float total[kRd];  // Σ x[r, k0:k1] from the blocks' sums
       for (int i = 0; i < nr; ++i) {
@@ -548,23 +524,13 @@ void Delta512(const Args& a, const Pass& p, float* acc, int64_t k0, int64_t k1, 
         float* d = dsum.data();
         std::fill(d, d + kRd * kDeltaCols, 0.f);
         for (int64_t b = 0; b < nbr; ++b) {
-          const uint8_t* br = bits + b * N;
           const float* t = tab.data() + b * kRd * 32;
           __m512 tl[kRd], th[kRd];
           for (int i = 0; i < nr; ++i) {
             tl[i] = _mm512_loadu_ps(t + i * 32);
             th[i] = _mm512_loadu_ps(t + i * 32 + 16);
           }
-          for (int64_t n = c0; n < c1; n += 16) {
-            const __m512i lo = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(br + n)));
-            const __m512i hi = _mm512_srli_epi32(lo, 4);
-            for (int i = 0; i < nr; ++i) {
-              float* dp = d + i * kDeltaCols + (n - c0);
-              _mm512_storeu_ps(dp, _mm512_add_ps(_mm512_loadu_ps(dp), _mm512_add_ps(
-                  _mm512_permutexvar_ps(lo, tl[i]), _mm512_permutexvar_ps(hi, th[i]))));
-            }
-          }
+          lut::NibbleRows(bits + b * N + c0, nc, tl, th, nr, d, kDeltaCols);
         }
         for (int i = 0; i < nr; ++i) {
           const __m512 tot = _mm512_set1_ps(total[i]);

@@ -1,6 +1,6 @@
 """The CPU few-rows kernel (`pallas_kernels.delta_matmul.cpu_rows`) against the plain-jnp
 reference: base and every slot's 1-bit delta in one pass, f32 and bf16 W, odd shapes, every
-slot layout, the AVX-512 and the portable build."""
+slot layout, the AVX-512, AVX2 and portable builds."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ PORTABLE = "bitdelta_delta_rows_portable"
 def portable():
   cpu_rows.build_target((), PORTABLE)  # no -march: GCC's generic vectors
   return PORTABLE
+
+
+@pytest.fixture(scope="module")
+def avx2():
+  target = "bitdelta_delta_rows_avx2"
+  try:
+    cpu_rows.build_target(("-march=native", "-mno-avx512f"), target)
+  except RuntimeError as e:
+    pytest.skip(f"no AVX2 build here: {e}")
+  return target
 
 
 def _case(m, k, n, s, seed):
@@ -88,6 +98,19 @@ def test_portable_build_matches_the_native_one(portable, wdtype):
   got = cpu_rows.rows_call(*args, group_k=g, target=portable)
   want = delta_matmul_reference(args[0], args[1].astype(jnp.float32), *args[2:], group_k=g)
   _check(got, want, x, w)
+
+
+@pytest.mark.parametrize("layout", ["one slot", "mixed", "every row its own"])
+@pytest.mark.parametrize("m,k,n,s", [(3, 37, 45, 3), (8, 576, 203, 5), (16, 130, 33, 4)])
+def test_avx2_build_matches_the_reference(avx2, layout, m, k, n, s):
+  """The AVX2 path (on an AVX-512 machine the native build skips it): slots of up to 4 rows by
+  8-entry table lookups (`native/lut_delta.h`), larger ones blended into W; odd N (a scalar
+  tail)."""
+  g, x, w, bits, scale = _case(m, k, n, s, seed=m * 100 + k + n)
+  slots = jnp.asarray(LAYOUTS[layout](m, s), jnp.int32)
+  args = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bits), jnp.asarray(scale), slots)
+  got = jax.jit(lambda *a: cpu_rows.rows_call(*a, group_k=g, target=avx2))(*args)
+  _check(got, delta_matmul_reference(*args, group_k=g), x, w)
 
 
 def test_a_slot_past_the_bank_is_an_error():
