@@ -364,15 +364,19 @@ class PagedRunner:
     with the step cache, really compiled here (not taken from JAX's persistent cache, whose
     programs cannot be re-serialized) and saved. The compile's freed memory goes back to the
     OS (`release_free_heap`; JAX's caches are kept while the device thread steps)."""
-    lower = lambda: self._run.lower(*self._abstract_args(n), bool(base_only))  # noqa: E731
     if self.step_cache_dir is None:
-      compiled = lower().compile()
+      compiled = self.lower_bucket(n, base_only).compile()
     else:
       with step_cache.fresh_compile():
-        compiled = lower().compile()
+        compiled = self.lower_bucket(n, base_only).compile()
       step_cache.save(self.step_cache_dir, self._cache_key(n, base_only), compiled)
     release_free_heap(clear_jax_caches=clear_jax_caches)
     return compiled
+
+  def lower_bucket(self, n: int, base_only: bool):
+    """The step program of the bucket of ``n`` tokens, lowered from the recorded argument
+    shapes (`_abstract_args`; what `compile_all` and the background compile build)."""
+    return self._run.lower(*self._abstract_args(n), bool(base_only))
 
   def _array_specs(self) -> tuple:
     """The step's array arguments (parameters, stacked layers, pools) as ShapeDtypeStructs
