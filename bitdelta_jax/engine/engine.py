@@ -227,9 +227,14 @@ class Engine:
         r.release()  # the compiled programs (and their memory mappings) go now
 
   def _promote_soon(self) -> None:
-    """From the background compile: a program is ready to be run once and used; the device
-    thread does that next (`Generator.promote`), idle or between steps."""
-    self._inbox.put(("call", lambda gen: gen.promote(log.info), concurrent.futures.Future()))
+    """From the background compile: a program is ready to be run once and used. An idle
+    device thread does that at once (`Generator.promote`); a busy one one program per step
+    (`Generator.step`), so requests are not held up behind every first run."""
+    def promote_if_idle(gen):
+      if not gen.has_work:
+        gen.promote(log.info, limit=1)
+
+    self._inbox.put(("call", promote_if_idle, concurrent.futures.Future()))
 
   def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
     """Takes queued requests and runs queued calls; False when asked to stop. Blocking and

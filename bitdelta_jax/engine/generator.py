@@ -253,7 +253,7 @@ class Generator:
     are read (the groups' devices work at the same time)."""
     self.steps += 1
     if self._compiler is not None:
-      self.promote()
+      self.promote(limit=1)  # one first run per step: requests are not held up by all of them
     launched = []
     for g, r in zip(self.schedulers, self.runners):
       plan = g.schedule()
@@ -311,10 +311,11 @@ class Generator:
       self._compiler.start()
     return took
 
-  def promote(self, progress=None) -> bool:
+  def promote(self, progress=None, limit: int | None = None) -> bool:
     """Makes the programs the background compile finished ready (each runs once first, on
-    the caller's thread: the device thread) and lets the schedulers use them. True if any."""
-    promoted = any([r.promote(progress) for r in self.runners])
+    the caller's thread: the device thread; at most ``limit`` per group) and lets the
+    schedulers use them. True if any."""
+    promoted = any([r.promote(progress, limit) for r in self.runners])
     if promoted:
       self._limit_schedulers()
       if not self.pending_buckets:

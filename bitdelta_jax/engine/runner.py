@@ -322,11 +322,12 @@ class PagedRunner:
       if on_compiled is not None:
         on_compiled()
 
-  def promote(self, progress=None) -> bool:
-    """On the device thread, between steps: the programs `compile_pending` finished, each run
-    once (`_probe`) and from then on used by steps. True if any was promoted."""
-    promoted = False
-    while True:
+  def promote(self, progress=None, limit: int | None = None) -> bool:
+    """On the device thread, between steps: the programs `compile_pending` finished (at most
+    ``limit`` of them), each run once (`_probe`: a whole step of padding, seconds for a large
+    bucket of a large model) and from then on used by steps. True if any was promoted."""
+    promoted = 0
+    while limit is None or promoted < limit:
       try:
         key, compiled, loaded = self._arrived.get_nowait()
       except queue.Empty:
@@ -339,7 +340,8 @@ class PagedRunner:
       t = time.perf_counter()
       self._probe(*key, progress)
       self.probe_s += time.perf_counter() - t
-      promoted = True
+      promoted += 1
+    return promoted > 0
 
   def _build(self, key: tuple[int, bool], progress=None, background: bool = False):
     """``(key, program, loaded)``: the step of ``key`` from the step cache, else compiled."""
