@@ -227,14 +227,11 @@ class Engine:
         r.release()  # the compiled programs (and their memory mappings) go now
 
   def _promote_soon(self) -> None:
-    """From the background compile: a program is ready to be run once and used. An idle
-    device thread does that at once (`Generator.promote`); a busy one one program per step
-    (`Generator.step`), so requests are not held up behind every first run."""
-    def promote_if_idle(gen):
-      if not gen.has_work:
-        gen.promote(log.info, limit=1)
-
-    self._inbox.put(("call", promote_if_idle, concurrent.futures.Future()))
+    """From the background compile: a program is ready to be run once and used. This wakes
+    an idle device thread, which does that (`Generator.promote`) one program per loop; a busy
+    one does it one program per step (`Generator.step`), so requests are not held up behind
+    every first run."""
+    self._inbox.put(("call", lambda gen: None, concurrent.futures.Future()))
 
   def _drain_inbox(self, block: bool, on_request: Callable) -> bool:
     """Takes queued requests and runs queued calls; False when asked to stop. Blocking and
@@ -277,13 +274,16 @@ class Engine:
       self._live.update(reqs)
 
     while True:
-      if not self._drain_inbox(not gen.has_work and not self._live, on_request):
+      idle = not gen.has_work and not self._live
+      if not self._drain_inbox(idle and not gen.promotable, on_request):
         for r in list(self._live):
           self._emit(r, Event("error", message="server shutting down"))
         return
       self._sweep(gen)
       if not gen.has_work:
         self._gauges(0, 0, gen.max_rows)
+        if gen.promotable:  # idle: the next program compiled in the background
+          gen.promote(log.info, limit=1)
         continue
       self.step_started = time.monotonic()
       try:

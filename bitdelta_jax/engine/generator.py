@@ -327,6 +327,12 @@ class Generator:
     self._stop_compiling.set()
 
   @property
+  def promotable(self) -> bool:
+    """Programs compiled in the background and waiting for `promote`."""
+    return self._compiler is not None and any(getattr(r, "arrived", False)
+                                              for r in self.runners)
+
+  @property
   def pending_buckets(self) -> list[int]:
     """Token buckets still compiling in the background (of any group)."""
     return sorted({n for r in self.runners for n, _ in list(getattr(r, "pending", ()))})

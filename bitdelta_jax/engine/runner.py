@@ -343,6 +343,11 @@ class PagedRunner:
       promoted += 1
     return promoted > 0
 
+  @property
+  def arrived(self) -> bool:
+    """Programs `compile_pending` finished that `promote` has not taken yet."""
+    return not self._arrived.empty()
+
   def _build(self, key: tuple[int, bool], progress=None, background: bool = False):
     """``(key, program, loaded)``: the step of ``key`` from the step cache, else compiled."""
     n, f = key
