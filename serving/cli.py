@@ -471,7 +471,8 @@ def _run_http(config: ServerConfig, *, demo: bool = False, quiet: bool = False) 
   if server.engine is not None and server.engine.fatal is not None:
     sys.stdout.flush()
     os._exit(3)  # for a supervisor: restart this server
-  if server.engine is not None and server.engine.alive:  # still inside a step: same reason
-    print("stopped (the engine was still inside a step)", file=sys.stderr, flush=True)
+  if server.engine is not None and server.engine.alive:  # inside a step or compile: same reason
+    print("stopped (the engine was still inside a step or a compile)", file=sys.stderr,
+          flush=True)
     sys.stdout.flush()
     os._exit(0)

@@ -218,8 +218,8 @@ class Engine:
     try:
       self._loop(gen)
     finally:
+      gen.stop_compiling()  # waits for a compile in progress (alive meanwhile: see serving.cli)
       self.alive = False
-      gen.stop_compiling()
       for r in gen.runners:
         close = getattr(r, "close", None)
         if close is not None:  # multi-process: release the followers

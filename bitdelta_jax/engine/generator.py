@@ -107,7 +107,8 @@ class Generator:
     self._mesh = mesh
     self.shapes_run: set[tuple] = set()  # (tokens bucket, base_only) of every step run
     self.steps = 0
-    self._compiler: threading.Thread | None = None  # `warmup(background=True)`'s thread
+    self._compiler: threading.Thread | None = None  # `warmup(background=True)`'s, until done
+    self._compile_thread: threading.Thread | None = None
     self._stop_compiling = threading.Event()
 
   # -- one data group's parts (most programs have one) ----------------------------------------
@@ -306,8 +307,8 @@ class Generator:
                         "%s", type(e).__name__, e, list(r.ready_buckets(self.base_only)))
             return
 
-      self._compiler = threading.Thread(target=compile_rest, name="bitdelta-compile",
-                                        daemon=True)
+      self._compiler = self._compile_thread = threading.Thread(
+        target=compile_rest, name="bitdelta-compile", daemon=True)
       self._compiler.start()
     return took
 
@@ -322,9 +323,13 @@ class Generator:
         self._compiler = None  # all ready: steps stop asking
     return promoted
 
-  def stop_compiling(self) -> None:
-    """Ends the background compile after its current program (the engine's shutdown)."""
+  def stop_compiling(self, timeout_s: float = 60.0) -> None:
+    """Ends the background compile after its current program and waits for it (the engine's
+    shutdown): a process that exits while that thread is inside XLA's compiler aborts
+    ("terminate called ... FATAL: exception not rethrown")."""
     self._stop_compiling.set()
+    if self._compile_thread is not None:
+      self._compile_thread.join(timeout_s)
 
   @property
   def promotable(self) -> bool:
