@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import mosaic_gpu_prefill as mp
 from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention, reference
+from pallas_kernels.paged_attention import mosaic_gpu_prefill as mp
 from pallas_kernels.paged_attention.api import prefill_unavailable_reason
 from pallas_kernels.platform import lowering_platform
 

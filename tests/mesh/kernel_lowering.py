@@ -19,8 +19,11 @@ def _sds(mesh, shape, dtype, spec=P()):
 def paged_attention() -> dict:
   """The ragged paged attention (decode + prefill) per KV head shard: the Mosaic GPU calls, and
   whether each reads one KV head's pool shard."""
-  from pallas_kernels.paged_attention import (AttentionInputs, lowering_platform,
-                                              ragged_paged_attention)
+  from pallas_kernels.paged_attention import (
+    AttentionInputs,
+    lowering_platform,
+    ragged_paged_attention,
+  )
 
   assert len(jax.devices()) == 8, jax.devices()
   mesh = jax.make_mesh((8,), ("model",), axis_types=(AxisType.Auto,))
