@@ -137,7 +137,7 @@ def server_part(name: str, src: pathlib.Path, base: pathlib.Path, tmp: pathlib.P
       out["growth_pass2"] = growth(url, lens)
       # the background compile (issue 47) shares the cores with passes 1-2 of a cold start;
       # pass 3 runs once every bucket is ready: the steady-state speed
-      out["all_ready_s"] = round(cold + wait_all_ready(url), 1)
+      out["all_ready_wait_s"] = round(wait_all_ready(url), 1)
       out["growth_pass3"] = growth(url, lens)
       out["compiles_after_warmup"] = (server.health(url) or {}).get("compiles_after_warmup")
     finally:
@@ -282,7 +282,7 @@ def render(res: dict) -> str:
   row("cold start (empty compile cache), s", lambda r: r["cold_start_s"])
   row("warm start (same cache), s", lambda r: r["warm_start_s"])
   row("step programs compiled at start", lambda r: r["compiled_programs"])
-  row("cold: every bucket ready, seen by (s after launch)", lambda r: r["all_ready_s"])
+  row("cold: still compiling after pass 2, s (waited before pass 3)", lambda r: r["all_ready_wait_s"])
   for p in ("pass1", "pass2", "pass3"):
     g = f"growth_{p}"
     row(f"growth {p[-1]}: stream gap median, ms", lambda r, g=g: r[g]["gap_median_ms"])
