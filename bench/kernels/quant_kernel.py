@@ -321,6 +321,77 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
   print(md.read_text())
 
 
+def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
+  """int8 activations, more than 4 rows: this build (AVX-512 VNNI: 64-column strips over a
+  once-transposed copy of each block) against the same kernel built with the strips out of
+  reach (every 4-row tile transposes the block again) and XLA's f32 GEMM, interleaved."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from pallas_kernels.bits import group_k_for
+  from pallas_kernels.quant_matmul import blocks, cpu_rows
+
+  tiles = "bitdelta_quant_rows_nostrips"
+  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=1000000"), tiles)
+  shapes = ((256, 200),) if quick else ((2048, 2048), (2048, 8192), (8192, 2048), (576, 1536))
+  n_rounds = 3 if quick else max(rounds, 21)
+  res = []
+  for k, n in shapes:
+    rng = np.random.default_rng(0)
+    g = group_k_for(k)
+    w = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
+    wj = jnp.asarray(w)
+    qks = {fmt: jax.tree.map(jnp.asarray, blocks.quantize(w, fmt)) for fmt in FORMATS}
+    gemm = jax.jit(lambda x, w: x @ w)
+    for m in rows:
+      x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+      for fmt, qk in qks.items():
+        fns = {}
+        for name, t in (("strips", cpu_rows._TARGET), ("tiles", tiles)):
+          f = jax.jit(lambda x, q, t=t, g=g: cpu_rows.rows_call(x, q, group_k=g,
+                                                                activations="int8", target=t))
+          fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
+        fns["xla_f32"] = lambda x=x, wj=wj, gemm=gemm: gemm(x, wj)
+        med = harness.interleaved(fns, n_rounds, min_rounds=n_rounds).medians()
+        same = bool(np.array_equal(np.asarray(fns["strips"]()), np.asarray(fns["tiles"]())))
+        res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],
+                    **{f"{c}_us": 1e6 * v for c, v in med.items()},
+                    "strips_vs_tiles": med["strips"] / med["tiles"],
+                    "strips_vs_xla": med["strips"] / med["xla_f32"],
+                    "gmac_s": m * k * n / med["strips"] / 1e9, "bit_identical": same})
+        print(res[-1], flush=True)
+  if quick:
+    return
+  lines = [
+    "# int8 activations, prefill and batched rows: strips vs per-tile transposes",
+    "",
+    f"`python -m bench quant_kernel --strips --rows {' '.join(map(str, rows))}`: per shape, "
+    f"format and row count, three candidates on the same arrays, interleaved ({n_rounds} "
+    "rounds), medians. `strips`: this build (with AVX-512 VNNI, more than 4 rows walk "
+    "64-column strips; each block's strip is transposed for vpdpbusd once and read from L1 "
+    "by every 4-row tile); `tiles`: the same source built with the strip threshold out of "
+    "reach (each 4-row tile transposes the block again: the path before); `xla_f32`: XLA's "
+    "`x @ W` on the dense f32 matrix. Same bits: the two builds' outputs compared exactly.",
+    "",
+    machine_line({}),
+    "",
+    "| M | K x N | format | strips (us) | tiles (us) | XLA f32 (us) | strips / tiles | "
+    "strips / XLA | strips GMAC/s | same bits | load |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
+  for r in res:
+    lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | {r['format']} | {r['strips_us']:.0f} | "
+                 f"{r['tiles_us']:.0f} | {r['xla_f32_us']:.0f} | {r['strips_vs_tiles']:.2f} | "
+                 f"{r['strips_vs_xla']:.2f} | {r['gmac_s']:.0f} | {r['bit_identical']} | "
+                 f"{r['load']:.1f} |")
+  ratios = [r["strips_vs_tiles"] for r in res]
+  lines += ["", f"strips / tiles over all rows: median {np.median(ratios):.2f} "
+            f"(range {min(ratios):.2f}-{max(ratios):.2f})."]
+  md = report.write(results_dir("kernels") / "quant_strips", {"rows": res}, lines)
+  print(md.read_text())
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--rounds", type=int, default=15)
@@ -333,11 +404,17 @@ def main() -> None:
   ap.add_argument("--vnni", action="store_true",
                   help="only int8 activations' VNNI tiles vs the AVX2 int8 tiles vs f32 "
                   "activations (bench/results/kernels/quant_vnni.{json,md})")
+  ap.add_argument("--strips", action="store_true",
+                  help="only int8 activations' strips vs per-tile transposes at >4 rows "
+                  "(bench/results/kernels/quant_strips.{json,md})")
   ap.add_argument("--logits", action="store_true",
                   help="only the real SmolLM2 Q4_1 model's logit error, int8 vs f32 activations")
   args = ap.parse_args()
   if args.logits:
     logit_error()
+    return
+  if args.strips:
+    strips_report(tuple(args.rows), args.rounds, args.quick)
     return
   if args.vnni:
     vnni_report(tuple(args.rows), args.rounds, args.quick)

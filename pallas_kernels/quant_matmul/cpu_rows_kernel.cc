@@ -21,7 +21,10 @@
 // tables per 16 columns; tables and lookups in `native/lut_delta.h`, shared with the f32
 // kernel's `LutDelta`). More than 16 rows (prefill chunks):
 // passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
-// (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md).
+// (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md). With
+// int8 activations and AVX-512 VNNI, more than 4 rows of a pass take `BaseVnniStrips`: each
+// block's 64-column strip is transposed for vpdpbusd once and read from L1 by every tile of
+// 4 rows (bench/results/kernels/quant_strips.md).
 //
 // int8 activations (act 1), as llama.cpp's CPU dot products but vectorised over columns (N is
 // contiguous here): per block, q8_0 pairs of K rows widened to int16 and vpmaddwd'd against a
@@ -56,8 +59,11 @@
 #include <immintrin.h>
 #if defined(__AVX512F__)
 #define QROWS_AVX512 1
-#if defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define QROWS_DPBUSD 1
+#if defined(__AVX512VBMI__)
 #define QROWS_VNNI 1
+#endif
 #endif
 #endif
 #endif
@@ -73,6 +79,12 @@ enum Format : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ4_1 = 2 };
 constexpr int64_t kBlock = 32;
 constexpr int64_t kRowsPerPass = 16;
 constexpr int kMaxTileRows = 8;
+// Rows above which the VNNI int8 path walks 64-column strips over a transposed copy of each
+// block (`BaseVnniStrips`) instead of transposing the block again for every tile of 4 rows.
+#ifndef BITDELTA_QROWS_STRIP_ROWS
+#define BITDELTA_QROWS_STRIP_ROWS 4
+#endif
+constexpr int64_t kStripRows = BITDELTA_QROWS_STRIP_ROWS;
 // Columns a task takes at least before the work is split over K as well. On 2 threads (K = N =
 // 4096, 1536 x 576, 576 x 1536; 1 and 8 rows) column and K tasks timed the same within noise;
 // columns need no partials to add up.
@@ -677,16 +689,10 @@ inline void TileQ4I8(const Args& a, const Pass& p, float* acc, int64_t b, int64_
   }
 }
 
-#if QROWS_VNNI
-// int8 activations with AVX-512 VNNI: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones
-// per 32-bit lane and adds them into the lane, 64 multiply-adds an instruction (vpmaddubsw's
-// 32, without the int16 step). It wants 4 consecutive K rows of one column in a lane; the
-// blocks hold a column's K rows N bytes apart, so per quad of byte rows two byte permutes
-// (vpermt2b, AVX512-VBMI) turn 4 rows x 64 columns into 4 vectors of 16 columns x 4 rows, and
-// q4's nibbles split into 2 (K rows 4t..4t+3 and 16+4t..): 2 vpdpbusd per 16 columns per row
-// against the broadcast 4 int8s of x. q8_0's signed bytes are made unsigned (xor 0x80: q + 128)
-// and 128·Σq_x taken off. Integer sums are exact, so results equal the AVX2 int8 tiles' bit for
-// bit (the f32 step `StoreI8x16` is `StoreI8` lane for lane).
+#if QROWS_DPBUSD
+// int8 activations with vpdpbusd (AVX-512 VNNI: 4 unsigned x 4 signed bytes into each int32
+// lane, 64 multiply-adds an instruction). Integer sums are exact and the f32 step `StoreI8x16`
+// is `StoreI8` lane for lane, so every path gives the same bits.
 
 // the 16-column f32 step: `StoreI8`'s operations on 16 lanes
 template <Format F>
@@ -708,6 +714,146 @@ inline void StoreI8x16(const Args& a, const Pass& p, float* y, __m512i v, int64_
   }
   _mm512_storeu_ps(y, out);
 }
+
+// A block's 64-column strip in vpdpbusd's order, made once and read by every row tile of the
+// pass: [quad t][column vector c] (q8_0: made unsigned), q4 as [quad t][low, high][c]
+struct StripBuf {
+  __m512i w[32];
+};
+
+// rows r..r+3 (N bytes apart from q) x 64 columns -> out[g]: columns 16g..16g+15, 4 rows a
+// lane (as `Quads64`, without VBMI's byte permutes): byte and word unpacks interleave the rows
+// within each 128-bit lane (lane j of u[k]: columns 16j+4k..16j+4k+3), then a 4 x 4 transpose
+// of 128-bit lanes puts the columns in order
+inline void QuadsUnpack64(const uint8_t* q, int64_t N, __m512i out[4]) {
+  const __m512i r0 = _mm512_loadu_si512(q), r1 = _mm512_loadu_si512(q + N);
+  const __m512i r2 = _mm512_loadu_si512(q + 2 * N), r3 = _mm512_loadu_si512(q + 3 * N);
+  const __m512i lo01 = _mm512_unpacklo_epi8(r0, r1), hi01 = _mm512_unpackhi_epi8(r0, r1);
+  const __m512i lo23 = _mm512_unpacklo_epi8(r2, r3), hi23 = _mm512_unpackhi_epi8(r2, r3);
+  const __m512i u0 = _mm512_unpacklo_epi16(lo01, lo23), u1 = _mm512_unpackhi_epi16(lo01, lo23);
+  const __m512i u2 = _mm512_unpacklo_epi16(hi01, hi23), u3 = _mm512_unpackhi_epi16(hi01, hi23);
+  const __m512i t0 = _mm512_shuffle_i32x4(u0, u1, 0x44), t1 = _mm512_shuffle_i32x4(u0, u1, 0xEE);
+  const __m512i t2 = _mm512_shuffle_i32x4(u2, u3, 0x44), t3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+  out[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+  out[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+  out[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+  out[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+}
+
+template <Format F>
+inline void FillStrip(const Args& a, int64_t b, int64_t n, StripBuf& s) {
+  const uint8_t* q = a.qs + b * a.qrows * a.N + n;
+  const __m512i m4 = _mm512_set1_epi8(15), flip = _mm512_set1_epi8(char(0x80));
+  if constexpr (F == kQ8_0) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) {
+      QuadsUnpack64(q + 4 * t * a.N, a.N, s.w + 4 * t);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) s.w[4 * t + c] = _mm512_xor_si512(s.w[4 * t + c], flip);
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      __m512i w[4];
+      QuadsUnpack64(q + 4 * t * a.N, a.N, w);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        s.w[8 * t + c] = _mm512_and_si512(w[c], m4);
+        s.w[8 * t + 4 + c] = _mm512_and_si512(_mm512_srli_epi16(w[c], 4), m4);
+      }
+    }
+  }
+}
+
+// rows row0..row0+R x the strip's 64 columns of block b: Σ q_x·q_w in int32 per (row, column)
+// (exact: the same sums as every int8 path), then the f32 step `StoreI8x16`
+template <Format F, int R>
+inline void TileStrip(const Args& a, const Pass& p, const StripBuf& w, float* acc, int64_t b,
+                      int64_t row0, int64_t n) {
+  const int64_t K = a.K, N = a.N;
+  __m512i s[R][4];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_si512();
+  const int8_t* xb = p.xq + row0 * K + b * kBlock;
+  if constexpr (F == kQ8_0) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        int32_t quad;
+        std::memcpy(&quad, xb + i * K + 4 * t, 4);
+        const __m512i xv = _mm512_set1_epi32(quad);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) s[i][c] = _mm512_dpbusd_epi32(s[i][c], w.w[4 * t + c], xv);
+      }
+  } else {
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t)
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        int32_t ql, qh;
+        std::memcpy(&ql, xb + i * K + 4 * t, 4);
+        std::memcpy(&qh, xb + i * K + 16 + 4 * t, 4);
+        const __m512i xl = _mm512_set1_epi32(ql), xh = _mm512_set1_epi32(qh);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c)
+          s[i][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(s[i][c], w.w[8 * t + c], xl),
+                                        w.w[8 * t + 4 + c], xh);
+      }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c)
+      StoreI8x16<F>(a, p, acc + (row0 + i) * N + n + 16 * c, s[i][c], b, row0 + i, n + 16 * c);
+}
+
+// int8 activations with vpdpbusd (AVX-512 VNNI), more than kStripRows rows: 64-column strips,
+// each walking down blocks b0:b1; a block's strip is transposed once (`FillStrip`, 2 KiB) and
+// every tile of 4 rows reads it from L1, where the per-tile paths (`BaseVnni`, `BaseI8`) widen
+// or transpose it again for each tile; the rows' sums of a strip
+// (rows x 256 bytes) stay in L1 across the blocks instead of sweeping rows x (n1 - n0) per
+// block. Each (row, column) still adds the blocks' f32 steps in block order: the same bits.
+// Returns where its whole strips end (the caller's per-tile path takes the columns after).
+template <Format F>
+int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1,
+                       int64_t n0, int64_t n1) {
+  const int64_t n64 = n0 + (n1 - n0) / 64 * 64;
+  StripBuf buf;
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b + 1 < b1)
+      for (int64_t j = 0; j < a.qrows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
+                     _MM_HINT_T0);
+    for (int64_t n = n0; n < n64; n += 64) {
+      FillStrip<F>(a, b, n, buf);
+      int64_t r = 0;
+      for (; r + 4 <= p.M; r += 4) TileStrip<F, 4>(a, p, buf, acc, b, r, n);
+      switch (p.M - r) {
+        case 1: TileStrip<F, 1>(a, p, buf, acc, b, r, n); break;
+        case 2: TileStrip<F, 2>(a, p, buf, acc, b, r, n); break;
+        case 3: TileStrip<F, 3>(a, p, buf, acc, b, r, n); break;
+        default: break;
+      }
+    }
+  }
+  return n64;
+}
+
+#endif
+
+#if QROWS_VNNI
+// int8 activations with AVX-512 VNNI: vpdpbusd multiplies 4 unsigned bytes by 4 signed ones
+// per 32-bit lane and adds them into the lane, 64 multiply-adds an instruction (vpmaddubsw's
+// 32, without the int16 step). It wants 4 consecutive K rows of one column in a lane; the
+// blocks hold a column's K rows N bytes apart, so per quad of byte rows two byte permutes
+// (vpermt2b, AVX512-VBMI) turn 4 rows x 64 columns into 4 vectors of 16 columns x 4 rows, and
+// q4's nibbles split into 2 (K rows 4t..4t+3 and 16+4t..): 2 vpdpbusd per 16 columns per row
+// against the broadcast 4 int8s of x. q8_0's signed bytes are made unsigned (xor 0x80: q + 128)
+// and 128·Σq_x taken off. Integer sums are exact, so results equal the AVX2 int8 tiles' bit for
+// bit (the f32 step `StoreI8x16` is `StoreI8` lane for lane).
 
 // byte permutes of the quad transpose: pair[h] takes columns 32h..32h+31 of two rows as
 // (row a, row b) byte pairs; quad[g] takes pairs 16g..16g+15 of two pair vectors as quads;
@@ -896,19 +1042,31 @@ void BaseI8(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, in
 void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
              int64_t n1) {
   if (p.xq) {
-#if QROWS_VNNI
-    switch (a.fmt) {
-      case kQ8_0: BaseVnni<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
-      case kQ4_0: BaseVnni<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
-      default: BaseVnni<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
-    }
-#else
-    switch (a.fmt) {
-      case kQ8_0: BaseI8<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
-      case kQ4_0: BaseI8<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
-      default: BaseI8<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+    int64_t ns = n0;  // columns n0:ns done by strips
+#if QROWS_DPBUSD
+    if (p.M > kStripRows) {
+      switch (a.fmt) {
+        case kQ8_0: ns = BaseVnniStrips<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+        case kQ4_0: ns = BaseVnniStrips<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+        default: ns = BaseVnniStrips<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+      }
     }
 #endif
+    if (ns < n1) {
+#if QROWS_VNNI
+      switch (a.fmt) {
+        case kQ8_0: BaseVnni<kQ8_0>(a, p, acc, b0, b1, ns, n1); break;
+        case kQ4_0: BaseVnni<kQ4_0>(a, p, acc, b0, b1, ns, n1); break;
+        default: BaseVnni<kQ4_1>(a, p, acc, b0, b1, ns, n1); break;
+      }
+#else
+      switch (a.fmt) {
+        case kQ8_0: BaseI8<kQ8_0>(a, p, acc, b0, b1, ns, n1); break;
+        case kQ4_0: BaseI8<kQ4_0>(a, p, acc, b0, b1, ns, n1); break;
+        default: BaseI8<kQ4_1>(a, p, acc, b0, b1, ns, n1); break;
+      }
+#endif
+    }
   } else {
     switch (a.fmt) {
       case kQ8_0: Base<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
