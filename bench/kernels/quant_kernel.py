@@ -322,9 +322,10 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
 
 
 def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
-  """int8 activations, more than 4 rows: this build (AVX-512 VNNI: 64-column strips over a
-  once-transposed copy of each block) against the same kernel built with the strips out of
-  reach (every 4-row tile transposes the block again) and XLA's f32 GEMM, interleaved."""
+  """int8 activations: the kernel built to take strips at every row count (AVX-512 VNNI:
+  64-column strips over a once-transposed copy of each block) against the same source built
+  with the strips out of reach (every 4-row tile transposes the block again) and XLA's f32
+  GEMM, interleaved: where the strips pay (the default takes them above kStripRows rows)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -332,8 +333,9 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
   from pallas_kernels.bits import group_k_for
   from pallas_kernels.quant_matmul import blocks, cpu_rows
 
-  tiles = "bitdelta_quant_rows_nostrips"
+  tiles, strips = "bitdelta_quant_rows_nostrips", "bitdelta_quant_rows_allstrips"
   cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=1000000"), tiles)
+  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=0"), strips)
   shapes = ((256, 200),) if quick else ((2048, 2048), (2048, 8192), (8192, 2048), (576, 1536))
   n_rounds = 3 if quick else max(rounds, 21)
   res = []
@@ -348,7 +350,7 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
       for fmt, qk in qks.items():
         fns = {}
-        for name, t in (("strips", cpu_rows._TARGET), ("tiles", tiles)):
+        for name, t in (("strips", strips), ("tiles", tiles)):
           f = jax.jit(lambda x, q, t=t, g=g: cpu_rows.rows_call(x, q, group_k=g,
                                                                 activations="int8", target=t))
           fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
@@ -368,9 +370,9 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
     "",
     f"`python -m bench quant_kernel --strips --rows {' '.join(map(str, rows))}`: per shape, "
     f"format and row count, three candidates on the same arrays, interleaved ({n_rounds} "
-    "rounds), medians. `strips`: this build (with AVX-512 VNNI, more than 4 rows walk "
-    "64-column strips; each block's strip is transposed for vpdpbusd once and read from L1 "
-    "by every 4-row tile); `tiles`: the same source built with the strip threshold out of "
+    "rounds), medians. `strips`: the kernel built to walk 64-column strips at every row "
+    "count (each block's strip is transposed for vpdpbusd once and read from L1 by every "
+    "4-row tile; the default build takes them above 8 rows); `tiles`: the same source built with the strip threshold out of "
     "reach (each 4-row tile transposes the block again: the path before); `xla_f32`: XLA's "
     "`x @ W` on the dense f32 matrix. Same bits: the two builds' outputs compared exactly.",
     "",

@@ -22,7 +22,7 @@
 // kernel's `LutDelta`). More than 16 rows (prefill chunks):
 // passes of 16 rows, each reading the blocks again; the work there is bound by the FMAs
 // (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md). With
-// int8 activations and AVX-512 VNNI, more than 4 rows of a pass take `BaseVnniStrips`: each
+// int8 activations and AVX-512 VNNI, more than 8 rows of a pass take `BaseVnniStrips`: each
 // block's 64-column strip is transposed for vpdpbusd once and read from L1 by every tile of
 // 4 rows (bench/results/kernels/quant_strips.md).
 //
@@ -81,8 +81,11 @@ constexpr int64_t kRowsPerPass = 16;
 constexpr int kMaxTileRows = 8;
 // Rows above which the VNNI int8 path walks 64-column strips over a transposed copy of each
 // block (`BaseVnniStrips`) instead of transposing the block again for every tile of 4 rows.
+// At 8 rows (two tiles) the VBMI per-tile transpose (6 byte permutes a quad) cost the same or
+// less than a strip's copy (16 unpacks and shuffles, and the stores); from 16 rows, and at
+// every row count for q8_0, the strips were faster (bench/results/kernels/quant_strips.md).
 #ifndef BITDELTA_QROWS_STRIP_ROWS
-#define BITDELTA_QROWS_STRIP_ROWS 4
+#define BITDELTA_QROWS_STRIP_ROWS 8
 #endif
 constexpr int64_t kStripRows = BITDELTA_QROWS_STRIP_ROWS;
 // Columns a task takes at least before the work is split over K as well. On 2 threads (K = N =

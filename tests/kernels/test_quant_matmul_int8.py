@@ -235,7 +235,7 @@ def test_vnni_tiles_equal_the_avx2_int8_tiles(fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_strips_equal_the_per_tile_path(fmt):
-  """With AVX-512 VNNI (+ BW), more than 4 rows walk 64-column strips over a copy of each block
+  """With AVX-512 VNNI (+ BW), more than 8 rows walk 64-column strips over a copy of each block
   transposed once (`BaseVnniStrips`); built with the strip threshold out of reach the same
   rows run the per-tile paths. Same integer sums, same f32 step per lane: bit for bit, at row
   counts around the 4-row tiles and the 16-row passes, strips with a 16-column and a scalar
@@ -247,7 +247,7 @@ def test_strips_equal_the_per_tile_path(fmt):
     pytest.skip("this CPU has no AVX-512 VNNI: the native build has no strip path")
   target = "bitdelta_quant_rows_nostrips"
   cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=1000000"), target)
-  for m, k, n, seed in ((5, 96, 64, 1), (8, 576, 208, 2), (13, 1536, 203, 3), (33, 576, 1000, 4)):
+  for m, k, n, seed in ((9, 96, 64, 1), (12, 576, 208, 2), (13, 1536, 203, 3), (33, 576, 1000, 4)):
     g, qk, x, bits, scale = _case(fmt, m, k, n, 3, seed=seed)
     qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
     slots = jnp.asarray(np.arange(m) % 3, jnp.int32)
