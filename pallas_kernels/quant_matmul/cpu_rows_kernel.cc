@@ -5,7 +5,7 @@
 // Bank row s - first_slot holds slot s (first_slot 1: one variant's bits read in place); S_s in
 // the group-local bit-plane layout (`pallas_kernels/bits.py`); α_s one f32 per column.
 // x and y f32. act 1 (int8 activations): the base product's x quantized per row and 32-block
-// as ggml's Q8_0 with an f32 scale (`QuantizeActivations`), integer block sums (`BlockI8`).
+// as ggml's Q8_0 with an f32 scale (`QuantizeBlock`), integer block sums (`BlockI8`).
 //
 // Why: a decode step reads every weight once for a handful of rows; the blocks are 0.56-1.06
 // bytes a weight against 4 for f32, so turning them into numbers costs as much as reading them.
@@ -196,24 +196,73 @@ void BaseScalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
 // q = x · (1/d) rounded to nearest, ties to even (ggml's reference rounds ties away; its AVX2
 // path to even); an all-zero block has d = 0 and q = 0. x must be finite. The same scalar code
 // in every build, so every build computes the same q.
-void QuantizeActivations(const float* x, int64_t M, int64_t K, int8_t* q, int16_t* q16,
-                         float* d, int32_t* qsum) {
+// one 32-block: q (and q16), d, Σq; and sx, Σ x in order (the f32 paths' and the deltas' sum)
+inline void QuantizeBlock(const float* xb, int8_t* q, int16_t* q16, float* d, int32_t* qsum) {
+#if QROWS_AVX512
+  // the scalar loop's operations on 16 lanes: max |x| (exact), the same f32 product x·(1/d),
+  // rounded to nearest even (vrndscaleps as nearbyint), then exact integer steps
+  const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+  const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+  const __m512 idv = _mm512_set1_ps(id), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  const __m512i v0 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(
+      _mm512_mul_ps(x0, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  const __m512i v1 = _mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_roundscale_ps(
+      _mm512_mul_ps(x1, idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(v0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(v1));
+  if (q16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16), _mm512_cvtepi32_epi16(v0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + 16), _mm512_cvtepi32_epi16(v1));
+  }
+  *d = dd;
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+#else
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+  const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+  int32_t s = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    const int v = std::clamp(int(std::nearbyint(xb[j] * id)), -127, 127);
+    q[j] = int8_t(v);
+    if (q16) q16[j] = int16_t(v);
+    s += v;
+  }
+  *d = dd;
+  *qsum = s;
+#endif
+}
+
+// x's per-block sums sx [M, nb] (with sx; each in order j = 0..31, every build) and, with q, x
+// quantized per row and 32-block: blocks i0..i1 of the flattened [M, nb]. The sums of 8 blocks
+// at a time are 8 independent chains (one chain of 32 dependent adds per block was the
+// slowest part of this function).
+void PrepareActivations(const float* x, int64_t K, int64_t i0, int64_t i1, float* sx, int8_t* q,
+                        int16_t* q16, float* d, int32_t* qsum) {
   const int64_t nb = K / kBlock;
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xb = x + r * K + b * kBlock;
-      float amax = 0.f;
-      for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
-      int32_t s = 0;
-      for (int j = 0; j < kBlock; ++j) {
-        const int v = std::clamp(int(std::nearbyint(xb[j] * id)), -127, 127);
-        q[r * K + b * kBlock + j] = int8_t(v);
-        if (q16) q16[r * K + b * kBlock + j] = int16_t(v);
-        s += v;
-      }
-      d[r * nb + b] = dd;
-      qsum[r * nb + b] = s;
+  auto at = [&](int64_t i) { return x + (i / nb) * K + (i % nb) * kBlock; };
+  if (sx) {
+    int64_t i = i0;
+    for (; i + 8 <= i1; i += 8) {
+      const float* xs[8];
+      float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int u = 0; u < 8; ++u) xs[u] = at(i + u);
+      for (int j = 0; j < kBlock; ++j)
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; ++u) s[u] += xs[u][j];
+      for (int u = 0; u < 8; ++u) sx[i + u] = s[u];
+    }
+    for (; i < i1; ++i) {
+      const float* xb = at(i);
+      float s = 0.f;
+      for (int j = 0; j < kBlock; ++j) s += xb[j];
+      sx[i] = s;
+    }
+  }
+  if (q)
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t off = (i / nb) * K + (i % nb) * kBlock;
+      QuantizeBlock(x + off, q + off, q16 ? q16 + off : nullptr, d + i, qsum + i);
     }
 }
 
@@ -1099,26 +1148,42 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
   for (int64_t r = 0; slots && r < M; ++r)
     if (slots[r] > 0 && (slots[r] < a.first || slots[r] - a.first >= S))
       return ffi::Error::InvalidArgument("quant_rows: a slot id is past the bank");
-  std::vector<float> sx(M * nb);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb; ++b) {
-      float s = 0.f;
-      for (int j = 0; j < kBlock; ++j) s += x[r * K + b * kBlock + j];
-      sx[r * nb + b] = s;
-    }
-  std::vector<int8_t> xq;
-  std::vector<int16_t> x16;
-  std::vector<float> xd;
-  std::vector<int32_t> xqs;
+  // x's block sums and int8 copy, made once per call (over the pool when there are many)
+  thread_local std::vector<float> sx, xd;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<int16_t> x16;
+  thread_local std::vector<int32_t> xqs;
+  const bool q16 = int8_act && a.fmt == kQ8_0;
+  // Σx per block: q4_1's m·Σx with f32 x, and every delta term (x·S = 2·x·B − Σx)
+  bool need_sx = !int8_act;
+  for (int64_t r = 0; slots && !need_sx && r < M; ++r) need_sx = slots[r] > 0;
+  if (int64_t(sx.size()) < M * nb) sx.resize(M * nb);
   if (int8_act) {
-    xq.resize(M * K);
-    if (a.fmt == kQ8_0) x16.resize(M * K);
-    xd.resize(M * nb);
-    xqs.resize(M * nb);
-    QuantizeActivations(x, M, K, xq.data(), x16.empty() ? nullptr : x16.data(), xd.data(),
-                        xqs.data());
+    if (int64_t(xq.size()) < M * K) xq.resize(M * K);
+    if (q16 && int64_t(x16.size()) < M * K) x16.resize(M * K);
+    if (int64_t(xd.size()) < M * nb) xd.resize(M * nb);
+    if (int64_t(xqs.size()) < M * nb) xqs.resize(M * nb);
   }
   Pool& pool = Pool::get();
+  {
+    const int64_t units = M * nb;
+    // this thread's buffers, by pointer: in the pool's workers the names are their own
+    float* const psx = need_sx ? sx.data() : nullptr;
+    int8_t* const pq = int8_act ? xq.data() : nullptr;
+    int16_t* const pq16 = q16 ? x16.data() : nullptr;
+    float* const pd = int8_act ? xd.data() : nullptr;
+    int32_t* const pqs = int8_act ? xqs.data() : nullptr;
+    auto prep = [=](int64_t i0, int64_t i1) {
+      PrepareActivations(x, K, i0, i1, psx, pq, pq16, pd, pqs);
+    };
+    const int n = M * K < (int64_t(1) << 15) ? 1 : pool.size();
+    if (n == 1) {
+      prep(0, units);
+    } else {
+      const int64_t per = (units + n - 1) / n;
+      pool.run([&](int t) { prep(std::min(units, t * per), std::min(units, (t + 1) * per)); }, n);
+    }
+  }
   thread_local std::vector<float> scratch;  // the partials of K tasks 1..
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
     const int64_t rows = std::min(kRowsPerPass, M - r0);
@@ -1130,9 +1195,9 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
       if (it == groups.end()) groups.push_back({s, {r}});
       else it->rows.push_back(r);
     }
-    const Pass p{x + r0 * K, sx.data() + r0 * nb, rows, &groups,
+    const Pass p{x + r0 * K, need_sx ? sx.data() + r0 * nb : nullptr, rows, &groups,
                  int8_act ? xq.data() + r0 * K : nullptr,
-                 x16.empty() ? nullptr : x16.data() + r0 * K,
+                 q16 ? x16.data() + r0 * K : nullptr,
                  int8_act ? xd.data() + r0 * nb : nullptr,
                  int8_act ? xqs.data() + r0 * nb : nullptr};
     float* yp = y + r0 * N;

@@ -256,3 +256,26 @@ def test_strips_equal_the_per_tile_path(fmt):
                                            target=t)) for t in (cpu_rows._TARGET, target)]
       np.testing.assert_array_equal(got[0], got[1])
     _check(got[0], *want_int8(x, qk, bits, scale, np.asarray(slots), g)[:2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_activation_quantizer_same_in_every_build(fmt):
+  """x is quantized per 32-block by AVX-512 code where the build has it and by the scalar loop
+  elsewhere, over the thread pool for large calls: the same q, d and Σq (ties to even
+  included), so the int8 products of the native and the AVX2 build agree bit for bit."""
+  target = "bitdelta_quant_rows_avx2_int8"
+  try:
+    cpu_rows.build_target(("-march=native", "-mno-avx512f"), target)
+  except RuntimeError as e:
+    pytest.skip(f"no AVX2 build here: {e}")
+  g, qk, x, bits, scale = _case(fmt, 40, 1536, 96, 3, seed=7)
+  x[0, :32] = np.arange(32, dtype=np.float32) - 15.5  # amax 15.5: halves of odd steps
+  x[1, :32] = 0.5 * (np.arange(32, dtype=np.float32) - 16)
+  x[1, 0] = 127.0  # d = 1: x·(1/d) = -7.5, -7, ... exact ties
+  x[2, 32:64] = -0.0
+  qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
+  for m in (1, 40):  # one block at a time, and over the pool
+    got = [np.asarray(cpu_rows.rows_call(xj[:m], qj, group_k=g, activations="int8", target=t))
+           for t in (cpu_rows._TARGET, target)]
+    np.testing.assert_array_equal(got[0], got[1])
+    _check(got[0], *want_int8(x[:m], qk)[:2])
