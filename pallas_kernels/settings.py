@@ -74,6 +74,9 @@ _ALL = (
           "read by native/pool.h when the pool starts"),
   Setting("BITDELTA_CPU_SPIN_US", "int", None,
           "microseconds the pool's idle workers spin before sleeping (native/pool.h's default)"),
+  Setting("BITDELTA_HUGE_PAGES", "bool", True,
+          "0: leave the CPU runner's weights in 4 KiB pages (by default they are collapsed "
+          "into 2 MiB transparent huge pages where Linux allows: decode streams them)"),
   # -- kernel choices (read while a step is traced)
   Setting("BITDELTA_QUANT_ACTIVATIONS", "str", "int8",
           "activations of the GGUF block kernel: int8 (per 32-block, as llama.cpp), f32 (the "
