@@ -282,7 +282,8 @@ def render(res: dict) -> str:
   row("cold start (empty compile cache), s", lambda r: r["cold_start_s"])
   row("warm start (same cache), s", lambda r: r["warm_start_s"])
   row("step programs compiled at start", lambda r: r["compiled_programs"])
-  row("cold: still compiling after pass 2, s (waited before pass 3)", lambda r: r["all_ready_wait_s"])
+  row("cold: still compiling after pass 2, s (waited before pass 3)",
+      lambda r: r["all_ready_wait_s"])
   for p in ("pass1", "pass2", "pass3"):
     g = f"growth_{p}"
     row(f"growth {p[-1]}: stream gap median, ms", lambda r, g=g: r[g]["gap_median_ms"])

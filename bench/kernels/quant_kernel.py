@@ -372,7 +372,8 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
     f"format and row count, three candidates on the same arrays, interleaved ({n_rounds} "
     "rounds), medians. `strips`: the kernel built to walk 64-column strips at every row "
     "count (each block's strip is transposed for vpdpbusd once and read from L1 by every "
-    "4-row tile; the default build takes them above 8 rows); `tiles`: the same source built with the strip threshold out of "
+    "4-row tile; the default build takes them above 8 rows); `tiles`: the same source built "
+    "with the strip threshold out of "
     "reach (each 4-row tile transposes the block again: the path before); `xla_f32`: XLA's "
     "`x @ W` on the dense f32 matrix. Same bits: the two builds' outputs compared exactly.",
     "",

@@ -233,7 +233,8 @@ def render(res: dict) -> str:
         lines.append(
           f"| {c} | {l_['output_tok_s']:.1f} | {o['output_tok_s']:.1f} | "
           f"{o['output_tok_s'] / l_['output_tok_s']:.2f}× | {l_['ttft_ms']['median']:.0f} | "
-          f"{o['ttft_ms']['median']:.0f} | {o['ttft_ms']['median'] / l_['ttft_ms']['median']:.2f}× | "
+          f"{o['ttft_ms']['median']:.0f} | "
+          f"{o['ttft_ms']['median'] / l_['ttft_ms']['median']:.2f}× | "
           f"{l_['ttft_ms']['p99']:.0f} / {o['ttft_ms']['p99']:.0f} | "
           f"{decode_ms(l_, c):.0f} / {decode_ms(o, c):.0f} | "
           f"{itl(l_, 'median')} / {itl(o, 'median')} | {itl(l_, 'p99')} / {itl(o, 'p99')} | "

@@ -524,9 +524,10 @@ class PagedRunner:
   def _huge_pages(self) -> int:
     """The weights a step reads, on the host CPU, collapsed into 2 MiB pages where Linux allows
     (`heap.huge_pages`; ``BITDELTA_HUGE_PAGES=0`` leaves them): arrays of 4 MiB or more, base
-    and banks, as the runner is built (they are read, not written). Their buffers stay where they are for the runner's life (never donated; a
-    slot load writes banks in place or replaces them, and the new ones are 4 KiB pages until
-    the next runner). Returns the bytes collapsed."""
+    and banks, as the runner is built. Runs on its own thread while the device thread may
+    step (the bytes do not change) or load a slot (a bank replaced meanwhile is held by the
+    leaves taken here until the loop ends; a donated one has no pointer and is skipped; banks
+    written later stay in 4 KiB pages). Returns the bytes collapsed."""
     try:
       if jax.default_backend() != "cpu" or not settings.get("BITDELTA_HUGE_PAGES"):
         return 0

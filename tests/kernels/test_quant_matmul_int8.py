@@ -242,7 +242,8 @@ def test_strips_equal_the_per_tile_path(fmt):
   tail, with and without variants; and against numpy."""
   import pathlib
 
-  flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+  info = pathlib.Path("/proc/cpuinfo")
+  flags = info.read_text() if info.exists() else ""
   if not all(f in flags.split() for f in ("avx512_vnni", "avx512bw")):
     pytest.skip("this CPU has no AVX-512 VNNI: the native build has no strip path")
   target = "bitdelta_quant_rows_nostrips"
