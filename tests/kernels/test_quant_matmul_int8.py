@@ -205,24 +205,17 @@ def test_default_and_environment_reach_the_kernel(fmt, monkeypatch):
     np.testing.assert_array_equal(np.asarray(fresh(xj, qj)), named[a])
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_vnni_tiles_equal_the_avx2_int8_tiles(fmt):
-  """Where the CPU has AVX-512 VNNI and VBMI, the int8 path runs the vpdpbusd tiles (4 byte
-  rows transposed per column by byte permutes); built without VNNI it runs the AVX2 vpmaddubsw /
-  vpmaddwd tiles. Integer block sums are exact and the f32 step is the same per lane, so the
-  two builds agree bit for bit: 1-4 row tiles, 64- and 16-column tiles and the scalar tail,
-  with and without variants."""
+def _cpu_flags() -> set[str]:
   import pathlib
 
-  flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
-  if not all(f in flags.split() for f in ("avx512_vnni", "avx512vbmi", "avx512bw")):
-    pytest.skip("this CPU has no AVX-512 VNNI + VBMI: the native build is the AVX2 one")
-  target = "bitdelta_quant_rows_novnni"
-  try:
-    cpu_rows.build_target(("-march=native", "-mno-avx512vnni"), target)
-  except RuntimeError as e:
-    pytest.skip(f"no build without VNNI here: {e}")
-  for m, k, n, seed in ((1, 576, 1000, 1), (2, 96, 88, 2), (7, 1536, 216, 3), (17, 576, 203, 4)):
+  info = pathlib.Path("/proc/cpuinfo")
+  return set(info.read_text().split()) if info.exists() else set()
+
+
+def _same_bits(fmt, target, cases):
+  """The native build and ``target`` give the same bits on each (rows, K, N, seed) case, plain
+  and with a bank of 3 slots (the base's rows included), and both pass the numpy check."""
+  for m, k, n, seed in cases:
     g, qk, x, bits, scale = _case(fmt, m, k, n, 3, seed=seed)
     qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
     slots = jnp.asarray(np.arange(m) % 3, jnp.int32)
@@ -231,6 +224,24 @@ def test_vnni_tiles_equal_the_avx2_int8_tiles(fmt):
                                            target=t)) for t in (cpu_rows._TARGET, target)]
       np.testing.assert_array_equal(got[0], got[1])
     _check(got[0], *want_int8(x, qk, bits, scale, np.asarray(slots), g)[:2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_vnni_tiles_equal_the_avx2_int8_tiles(fmt):
+  """Where the CPU has AVX-512 VNNI and VBMI, the int8 path runs the vpdpbusd tiles (4 byte
+  rows transposed per column by byte permutes); built without VNNI it runs the AVX2 vpmaddubsw /
+  vpmaddwd tiles. Integer block sums are exact and the f32 step is the same per lane, so the
+  two builds agree bit for bit: 1-4 row tiles, 64- and 16-column tiles and the scalar tail,
+  with and without variants."""
+  if not {"avx512_vnni", "avx512vbmi", "avx512bw"} <= _cpu_flags():
+    pytest.skip("this CPU has no AVX-512 VNNI + VBMI: the native build is the AVX2 one")
+  target = "bitdelta_quant_rows_novnni"
+  try:
+    cpu_rows.build_target(("-march=native", "-mno-avx512vnni"), target)
+  except RuntimeError as e:
+    pytest.skip(f"no build without VNNI here: {e}")
+  _same_bits(fmt, target, ((1, 576, 1000, 1), (2, 96, 88, 2), (7, 1536, 216, 3),
+                           (17, 576, 203, 4)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -240,23 +251,12 @@ def test_strips_equal_the_per_tile_path(fmt):
   rows run the per-tile paths. Same integer sums, same f32 step per lane: bit for bit, at row
   counts around the 4-row tiles and the 16-row passes, strips with a 16-column and a scalar
   tail, with and without variants; and against numpy."""
-  import pathlib
-
-  info = pathlib.Path("/proc/cpuinfo")
-  flags = info.read_text() if info.exists() else ""
-  if not all(f in flags.split() for f in ("avx512_vnni", "avx512bw")):
+  if not {"avx512_vnni", "avx512bw"} <= _cpu_flags():
     pytest.skip("this CPU has no AVX-512 VNNI: the native build has no strip path")
   target = "bitdelta_quant_rows_nostrips"
   cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=1000000"), target)
-  for m, k, n, seed in ((9, 96, 64, 1), (12, 576, 208, 2), (13, 1536, 203, 3), (33, 576, 1000, 4)):
-    g, qk, x, bits, scale = _case(fmt, m, k, n, 3, seed=seed)
-    qj, xj = jax.tree.map(jnp.asarray, qk), jnp.asarray(x)
-    slots = jnp.asarray(np.arange(m) % 3, jnp.int32)
-    for args in ((), (bits, scale, slots)):
-      got = [np.asarray(cpu_rows.rows_call(xj, qj, *args, group_k=g, activations="int8",
-                                           target=t)) for t in (cpu_rows._TARGET, target)]
-      np.testing.assert_array_equal(got[0], got[1])
-    _check(got[0], *want_int8(x, qk, bits, scale, np.asarray(slots), g)[:2])
+  _same_bits(fmt, target, ((9, 96, 64, 1), (12, 576, 208, 2), (13, 1536, 203, 3),
+                           (33, 576, 1000, 4)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
