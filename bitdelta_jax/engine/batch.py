@@ -62,8 +62,7 @@ class StepOutput:
 class StepShapes:
   """The static shapes of a step, a function of its token bucket N alone: the scheduler builds
   batches of these shapes and the runner compiles one program per bucket (and form) before
-  serving. N is a power of two up to ``max_step_tokens``, or ``max_step_tokens`` itself
-  (`buckets`)."""
+  serving. N is a power of two up to ``max_step_tokens``, or ``max_step_tokens`` itself."""
 
   max_rows: int  # sequences that can run at once: decode lanes and outputs, R = min(N, max_rows)
   max_step_tokens: int  # the token budget of a step (max_rows decode tokens + a prefill chunk)
@@ -79,16 +78,10 @@ class StepShapes:
     return -(-self.max_pages_per_seq // self.block_pages) * self.block_pages
 
   def buckets(self) -> list[int]:
-    """Powers of two below ``max_step_tokens``, then ``max_step_tokens``; a power of two within
-    1/16 of it and above ``max_rows`` is left out (the default 512 next to 544 = 512 + 32: a
-    step of 512 tokens pads 6% more, and the server holds one program fewer, ~55-90 MB and a
-    compile; decode buckets, up to ``max_rows``, always stay)."""
     out, b = [], 1
     while b < self.max_step_tokens:
       out.append(b)
       b *= 2
-    if len(out) > 1 and out[-1] > self.max_rows and 16 * self.max_step_tokens <= 17 * out[-1]:
-      out.pop()
     return out + [self.max_step_tokens]
 
   def bucket(self, n: int) -> int:

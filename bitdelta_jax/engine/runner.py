@@ -282,7 +282,7 @@ class PagedRunner:
     """Compiles the step for every token bucket (or only ``buckets``) in each form of ``forms``
     (``base_only`` values; the engine asks for one) ahead of time, ``threads`` at a time, and
     the page copy; returns the seconds it took. Each program then runs once on a padding batch
-    (`_probe`: SmolLM2's 11 programs took ~1 s on 2 cores), so one that cannot run is
+    (`_probe`: SmolLM2's 11 programs take ~1 s on 2 cores), so one that cannot run is
     recompiled here rather than met by a request. The buckets not asked for are left in
     `pending` (`compile_pending`, `promote`). Every later step runs a program compiled here or
     promoted (with `guard` on, any other raises)."""

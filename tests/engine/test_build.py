@@ -41,26 +41,3 @@ def test_a_group_that_cannot_hold_one_sequence_is_refused():
   with pytest.raises(ValueError, match=r"per data group \(2\).*--kv-cache-mb to at least 1.0"):
     kv_pages(cfg(mesh="data=2,model=4", kv_cache_mb=0.75), MC)
   kv_pages(cfg(kv_cache_mb=0.5), MC)  # one group: 16 pages hold one 256-token sequence
-
-
-@pytest.mark.parametrize("rows,budget,want", [
-  (32, 544, [1, 2, 4, 8, 16, 32, 64, 128, 256, 544]),  # the default: 512 left out
-  (8, 520, [1, 2, 4, 8, 16, 32, 64, 128, 256, 520]),
-  (8, 40, [1, 2, 4, 8, 16, 32, 40]),  # 32 is 25% short of 40: kept
-  (32, 33, [1, 2, 4, 8, 16, 32, 33]),  # a decode bucket (≤ max_rows) always stays
-  (32, 32, [1, 2, 4, 8, 16, 32]),
-  (1, 2, [1, 2]),
-])
-def test_step_buckets(rows, budget, want):
-  """Powers of two up to the step budget and the budget itself, without a power of two within
-  1/16 of the budget above the decode rows; every step size fits a bucket with less than 2x
-  padding, except the dropped power of two's, padded ≤ 1/16."""
-  from bitdelta_jax.engine.batch import StepShapes
-
-  shapes = StepShapes(max_rows=rows, max_step_tokens=budget, max_pages_per_seq=8, page_size=16,
-                      block_pages=8, vocab_size=10, max_seq_len=128)
-  got = shapes.buckets()
-  assert got == want
-  for n in range(1, budget + 1):
-    b = shapes.bucket(n)
-    assert b >= n and (b < 2 * n or n == 1 or 16 * b <= 17 * n or b == budget), (n, b)
