@@ -89,6 +89,13 @@ def build_target(arch: tuple[str, ...], target: str) -> None:
   registry.build_variant(KERNELS[0], arch, target)
 
 
+def amx_in_use() -> bool:
+  """Whether int8 activations past 16 rows run on AMX tiles here: the CPU has AMX-INT8, the
+  native build has it and Linux granted the tile state."""
+  lib, reason = registry.load(KERNELS[0])
+  return reason is None and lib is not None and bool(lib.BitdeltaQuantRowsAmx())
+
+
 def unavailable_reason() -> str | None:
   """None if the kernel can run in this process (one CPU device, built), else why not."""
   from pallas_kernels.platform import target_platform

@@ -24,7 +24,9 @@
 // (8 per weight per pass), not the re-reads (bench/results/kernels/quant_kernel.md). With
 // int8 activations and AVX-512 VNNI, more than 8 rows of a pass take `BaseVnniStrips`: each
 // block's 64-column strip is transposed for vpdpbusd once and read from L1 by every tile of
-// 4 rows (bench/results/kernels/quant_strips.md).
+// 4 rows (bench/results/kernels/quant_strips.md). With int8 activations and AMX-INT8, more
+// than 16 rows take `BaseAmx` in passes of up to kAmxPassRows rows: tile multiplies on each
+// block transposed once per pass (bench/results/kernels/quant_amx.md).
 //
 // int8 activations (act 1), as llama.cpp's CPU dot products but vectorised over columns (N is
 // contiguous here): per block, q8_0 pairs of K rows widened to int16 and vpmaddwd'd against a
@@ -48,6 +50,10 @@
 #include <cstring>
 #include <numeric>
 #include <vector>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 // pallas_kernels/native, on the include path (pallas_kernels/native/build.py)
 #include "lut_delta.h"
@@ -63,6 +69,9 @@
 #define QROWS_DPBUSD 1
 #if defined(__AVX512VBMI__)
 #define QROWS_VNNI 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define QROWS_AMX 1
 #endif
 #endif
 #endif
@@ -88,6 +97,39 @@ constexpr int kMaxTileRows = 8;
 #define BITDELTA_QROWS_STRIP_ROWS 8
 #endif
 constexpr int64_t kStripRows = BITDELTA_QROWS_STRIP_ROWS;
+// Rows from which int8 activations take AMX tiles (`BaseAmx`) where the CPU has AMX-INT8 and
+// Linux grants the tile state: more than one 16-row pass (bench/results/kernels/quant_amx.md).
+#ifndef BITDELTA_QROWS_AMX_ROWS
+#define BITDELTA_QROWS_AMX_ROWS 17
+#endif
+constexpr int64_t kAmxRows = BITDELTA_QROWS_AMX_ROWS;
+// Rows a pass takes on the AMX path: each block's strips are transposed once for all of them.
+#ifndef BITDELTA_QROWS_AMX_PASS_ROWS
+#define BITDELTA_QROWS_AMX_PASS_ROWS 128
+#endif
+constexpr int64_t kAmxPassRows = BITDELTA_QROWS_AMX_PASS_ROWS;
+
+#if QROWS_AMX
+// the tile state, granted by Linux (asked once per process)
+bool AmxGranted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+#endif
+
+// whether int8-activation passes of `rows` rows take `BaseAmx`
+inline bool UseAmx(int64_t rows, bool int8_act) {
+#if QROWS_AMX
+  return int8_act && rows >= kAmxRows && AmxGranted();
+#else
+  (void)rows, (void)int8_act;
+  return false;
+#endif
+}
+
 // Columns a task takes at least before the work is split over K as well. On 2 threads (K = N =
 // 4096, 1536 x 576, 576 x 1536; 1 and 8 rows) column and K tasks timed the same within noise;
 // columns need no partials to add up.
@@ -121,7 +163,7 @@ struct Group {
   std::vector<int64_t> rows;  // within the pass
 };
 
-// One pass: up to kRowsPerPass rows.
+// One pass: up to kRowsPerPass rows (kAmxPassRows on the AMX path).
 struct Pass {
   const float* x;        // [M, K]
   const float* sx;       // [M, nb]: Σ x over each block (Q4_1 and the deltas)
@@ -895,6 +937,185 @@ int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int
   return n64;
 }
 
+#if QROWS_AMX
+// int8 activations with AMX-INT8 (Sapphire Rapids on), passes of more than 16 rows (prefill
+// chunks): one tile multiply takes 16 rows x 32 int8s of x (one block) times 8 quad rows x 64
+// bytes of weights (16 columns x 4 consecutive K rows a row, vpdpbusd's order) into 16 x 16
+// int32 sums: 8192 multiply-adds an instruction. Weights go signed where that makes the sum
+// final: q8_0 as stored and q4_0 as nibble − 8 (tdpbssd); q4_1's nibbles unsigned (tdpbsud; its
+// m·Σx is the f32 step's). Per 64-column strip every block is transposed once (`FillAmx`) for
+// all the pass's rows (up to kAmxPassRows), x's block tiles are loaded straight from its int8
+// copy (K bytes a row), and the f32 step (`StoreI8x16`'s operations per lane, in block order)
+// runs on 16 rows x 16 columns held in registers across the blocks: the sums pass through
+// memory once (a tile store) and y is loaded and stored once per strip, not per block (with y
+// in memory per block the stores bound it at 0.6x the VNNI strips; in registers 0.4-0.5x at 128
+// rows). Integer sums are exact: the same bits as every other int8 path. Up to 16 rows the
+// VNNI paths are as fast or faster (bench/results/kernels/quant_amx.md).
+// Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+),
+// asked once per process; refused, the VNNI paths run.
+
+// ldtilecfg's 64 bytes, palette 1: tiles 0-1 sums (16 x 16 int32), 2-3 x (16 rows x 32 int8),
+// 4-5 weights (8 quad rows x 64 bytes); two of each, so one block's product is taken while the
+// other's sums are stored
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 2; ++t) { rows[t] = 16; colsb[t] = 64; }
+    for (int t = 2; t < 4; ++t) { rows[t] = 16; colsb[t] = 32; }
+    for (int t = 4; t < 6; ++t) { rows[t] = 8; colsb[t] = 64; }
+  }
+};
+
+// block b's 64 columns from n as 4 weight tiles: w[4r + c] is quad row r of column tile c
+// (q8_0: byte rows 4r..4r+3; q4: rows 0-3 the low nibbles of byte rows 4r.., i.e. K rows
+// 4r.., rows 4-7 the high ones, K rows 16 + 4r..); tile c is w + c with a 256-byte stride
+template <Format F>
+inline void FillAmx(const Args& a, int64_t b, int64_t n, __m512i* w) {
+  const uint8_t* q = a.qs + b * a.qrows * a.N + n;
+  if constexpr (F == kQ8_0) {
+#pragma GCC unroll 8
+    for (int t = 0; t < 8; ++t) QuadsUnpack64(q + 4 * t * a.N, a.N, w + 4 * t);
+  } else {
+    const __m512i m4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+#pragma GCC unroll 4
+    for (int t = 0; t < 4; ++t) {
+      __m512i u[4];
+      QuadsUnpack64(q + 4 * t * a.N, a.N, u);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        __m512i lo = _mm512_and_si512(u[c], m4);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u[c], 4), m4);
+        if constexpr (F == kQ4_0) {
+          lo = _mm512_sub_epi8(lo, eight);
+          hi = _mm512_sub_epi8(hi, eight);
+        }
+        w[4 * t + c] = lo;
+        w[16 + 4 * t + c] = hi;
+      }
+    }
+  }
+}
+
+// sums tile 0 (1) = x tile 2 (3) · weight tile 4 (5), stored to `out` (the tile intrinsics
+// take literal tile numbers)
+#define QROWS_AMX_PRODUCT(C, X, W)                               \
+  template <Format F>                                            \
+  inline void AmxProduct##C(int32_t* out) {                      \
+    _tile_zero(C);                                               \
+    if constexpr (F == kQ4_1) _tile_dpbsud(C, X, W);             \
+    else _tile_dpbssd(C, X, W);                                  \
+    _tile_stored(C, out, 64);                                    \
+  }
+QROWS_AMX_PRODUCT(0, 2, 4)
+QROWS_AMX_PRODUCT(1, 3, 5)
+#undef QROWS_AMX_PRODUCT
+
+// y[i] (16 columns of row i) = `StoreI8x16`'s f32 step on sums row i, dw given widened;
+// dx[i] / dq[i]: row i's d_x and d_x·Σq_x for the block (rows past R are padding: skipped)
+template <Format F>
+inline void StepAmx(__m512 y[16], const int32_t* sums, __m512 dw, __m512 mw, const float* dx,
+                    const float* dq, int R) {
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) {
+    if (i >= R) break;
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * i));
+    y[i] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx[i])), v, y[i]);
+    if constexpr (F == kQ4_1) y[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(dq[i]), y[i]);
+  }
+}
+
+// the pass's rows over blocks b0:b1 and the whole 64-column strips of n0:n1; returns where they
+// end. Per strip: every block's weights are transposed once into a buffer (`FillAmx`, 2 KiB a
+// block, L2); then per 16-row tile and 16 columns the f32 sums stay in 16 registers while the
+// blocks add in one after another (block b + 1's product is taken before block b's f32 step).
+// x's int8 copy has rows up to the next multiple of 16 (their sums are computed, not used).
+template <Format F>
+int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+                int64_t n1) {
+  const int64_t n64 = n0 + (n1 - n0) / 64 * 64, N = a.N, K = a.K, nb = b1 - b0;
+  if (n64 == n0 || nb == 0) return n0;
+  thread_local std::vector<__m512i> pack;  // [block][32 vectors]
+  thread_local std::vector<float> scales;  // [row tile][block][dx 16 | dq 16]
+  if (int64_t(pack.size()) < 32 * nb) pack.resize(32 * nb);
+  const int64_t tiles = (p.M + 15) / 16;
+  if (int64_t(scales.size()) < tiles * nb * 32) scales.resize(tiles * nb * 32);
+  for (int64_t t = 0; t < tiles; ++t)
+    for (int64_t b = 0; b < nb; ++b) {
+      float* s = scales.data() + (t * nb + b) * 32;
+      for (int64_t i = 0; i < 16; ++i) {
+        const int64_t r = 16 * t + i, k = r * a.nb + b0 + b;
+        s[i] = r < p.M ? p.xd[k] : 0.f;
+        s[16 + i] = r < p.M ? p.xd[k] * float(p.xqs[k]) : 0.f;
+      }
+    }
+  const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  alignas(64) int32_t sums[2][16 * 16];
+  for (int64_t n = n0; n < n64; n += 64) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (b + 1 < b1)
+        for (int64_t j = 0; j < a.qrows; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * N + n),
+                       _MM_HINT_T0);
+      FillAmx<F>(a, b, n, pack.data() + 32 * (b - b0));
+    }
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t r0 = 16 * t;
+      const int R = int(std::min<int64_t>(16, p.M - r0));
+      const int8_t* xt = p.xq + r0 * K;
+      const float* st = scales.data() + t * nb * 32;
+      for (int c = 0; c < 4; ++c) {
+        const int64_t col = n + 16 * c;
+        __m512 y[16];
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          y[i] = i < R ? _mm512_loadu_ps(acc + (r0 + i) * N + col) : _mm512_setzero_ps();
+        const __m512i* wc = pack.data() + c;
+        auto dw_of = [&](int64_t b) {
+          return _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + b * N + col)));
+        };
+        auto mw_of = [&](int64_t b) {
+          if constexpr (F == kQ4_1)
+            return _mm512_cvtph_ps(
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + b * N + col)));
+          else
+            return _mm512_setzero_ps();
+        };
+        // block pairs through tiles (0, 2, 4) and (1, 3, 5)
+        _tile_loadd(2, xt + b0 * kBlock, K);
+        _tile_loadd(4, wc, 256);
+        AmxProduct0<F>(sums[0]);
+        for (int64_t b = b0 + 1; b < b1 + 1; ++b) {
+          const int64_t i = b - b0;
+          if (b < b1) {
+            if (i & 1) {
+              _tile_loadd(3, xt + b * kBlock, K);
+              _tile_loadd(5, wc + 32 * i, 256);
+              AmxProduct1<F>(sums[1]);
+            } else {
+              _tile_loadd(2, xt + b * kBlock, K);
+              _tile_loadd(4, wc + 32 * i, 256);
+              AmxProduct0<F>(sums[0]);
+            }
+          }
+          const float* sp = st + (i - 1) * 32;
+          StepAmx<F>(y, sums[(i - 1) & 1], dw_of(b - 1), mw_of(b - 1), sp, sp + 16, R);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; ++i)
+          if (i < R) _mm512_storeu_ps(acc + (r0 + i) * N + col, y[i]);
+      }
+    }
+  }
+  _tile_release();
+  return n64;
+}
+#endif
+
+
 #endif
 
 #if QROWS_VNNI
@@ -1096,8 +1317,17 @@ void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, i
              int64_t n1) {
   if (p.xq) {
     int64_t ns = n0;  // columns n0:ns done by strips
+#if QROWS_AMX
+    if (UseAmx(p.M, true)) {
+      switch (a.fmt) {
+        case kQ8_0: ns = BaseAmx<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+        case kQ4_0: ns = BaseAmx<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+        default: ns = BaseAmx<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+      }
+    }
+#endif
 #if QROWS_DPBUSD
-    if (p.M > kStripRows) {
+    if (ns == n0 && p.M > kStripRows) {
       switch (a.fmt) {
         case kQ8_0: ns = BaseVnniStrips<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
         case kQ4_0: ns = BaseVnniStrips<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
@@ -1159,8 +1389,12 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
   bool need_sx = !int8_act;
   for (int64_t r = 0; slots && !need_sx && r < M; ++r) need_sx = slots[r] > 0;
   if (int64_t(sx.size()) < M * nb) sx.resize(M * nb);
+  const bool amx = UseAmx(M, int8_act);
+  const int64_t pass_rows = amx ? kAmxPassRows : kRowsPerPass;
   if (int8_act) {
-    if (int64_t(xq.size()) < M * K) xq.resize(M * K);
+    // AMX loads x in tiles of 16 rows: room for the last tile's rows past M
+    const int64_t xq_rows = amx ? (M + 15) / 16 * 16 : M;
+    if (int64_t(xq.size()) < xq_rows * K) xq.resize(xq_rows * K);
     if (q16 && int64_t(x16.size()) < M * K) x16.resize(M * K);
     if (int64_t(xd.size()) < M * nb) xd.resize(M * nb);
     if (int64_t(xqs.size()) < M * nb) xqs.resize(M * nb);
@@ -1186,8 +1420,8 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
     }
   }
   thread_local std::vector<float> scratch;  // the partials of K tasks 1..
-  for (int64_t r0 = 0; r0 < M; r0 += kRowsPerPass) {
-    const int64_t rows = std::min(kRowsPerPass, M - r0);
+  for (int64_t r0 = 0; r0 < M; r0 += pass_rows) {
+    const int64_t rows = std::min(pass_rows, M - r0);
     std::vector<Group> groups;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t s = slots ? slots[r0 + r] : 0;
@@ -1204,7 +1438,9 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
     float* yp = y + r0 * N;
     // tasks: column ranges of at least kMinCols (multiples of 64), then K ranges of whole
     // blocks and, with deltas, whole bit groups
-    const int threads = rows * K * N < (int64_t(1) << 16) ? 1 : pool.size();
+    // (split as for a pass of at most kRowsPerPass rows: the same sums on every path)
+    const int threads =
+        std::min(rows, kRowsPerPass) * K * N < (int64_t(1) << 16) ? 1 : pool.size();
     int64_t nn = std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinCols));
     int64_t ncol = (N + nn - 1) / nn;
     ncol = (ncol + 63) / 64 * 64;
@@ -1280,6 +1516,9 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
 }
 
 }  // namespace
+
+// 1 where int8 activations take the AMX tiles past 16 rows in this build and process, else 0
+extern "C" int BitdeltaQuantRowsAmx() { return UseAmx(kAmxRows, true) ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRows, Impl,
                               ffi::Ffi::Bind()
