@@ -77,6 +77,9 @@ _ALL = (
   Setting("BITDELTA_HUGE_PAGES", "bool", True,
           "0: leave the CPU runner's weights in 4 KiB pages (by default they are collapsed "
           "into 2 MiB transparent huge pages where Linux allows: decode streams them)"),
+  Setting("BITDELTA_AMX", "bool", True,
+          "0: the GGUF block kernel never uses AMX tiles (prefill chunks take the AVX-512 VNNI "
+          "path: the same bits, slower); read by the kernel when it first runs"),
   # -- kernel choices (read while a step is traced)
   Setting("BITDELTA_QUANT_ACTIVATIONS", "str", "int8",
           "activations of the GGUF block kernel: int8 (per 32-block, as llama.cpp), f32 (the "

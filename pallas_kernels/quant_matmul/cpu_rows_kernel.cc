@@ -47,7 +47,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <numeric>
 #include <vector>
 #if defined(__linux__)
@@ -105,14 +107,15 @@ constexpr int64_t kStripRows = BITDELTA_QROWS_STRIP_ROWS;
 constexpr int64_t kAmxRows = BITDELTA_QROWS_AMX_ROWS;
 // Rows a pass takes on the AMX path: each block's strips are transposed once for all of them.
 #ifndef BITDELTA_QROWS_AMX_PASS_ROWS
-#define BITDELTA_QROWS_AMX_PASS_ROWS 128
+#define BITDELTA_QROWS_AMX_PASS_ROWS 512
 #endif
 constexpr int64_t kAmxPassRows = BITDELTA_QROWS_AMX_PASS_ROWS;
 
 #if QROWS_AMX
-// the tile state, granted by Linux (asked once per process)
+// the tile state, granted by Linux (asked once per process), unless BITDELTA_AMX=0
 bool AmxGranted() {
   static const bool ok = [] {
+    if (const char* env = std::getenv("BITDELTA_AMX"); env && std::string(env) == "0") return false;
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
   }();

@@ -296,3 +296,18 @@ def test_amx_tiles_equal_the_vnni_paths(fmt):
   target = "bitdelta_quant_rows_noamx"
   cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_AMX_ROWS=1000000"), target)
   _same_bits(fmt, target, ((17, 96, 64, 1), (33, 576, 219, 2), (130, 1536, 136, 3)))
+
+
+def test_amx_turned_off_by_the_environment():
+  """``BITDELTA_AMX=0`` keeps the kernel off the tiles (read once per process: a fresh one)."""
+  if not {"amx_int8", "amx_tile"} <= _cpu_flags():
+    pytest.skip("this CPU has no AMX-INT8")
+  import os
+  import subprocess
+  import sys
+
+  code = "from pallas_kernels.quant_matmul import cpu_rows; print(cpu_rows.amx_in_use())"
+  for env, want in (("0", "False"), ("1", "True")):
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "BITDELTA_AMX": env, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip() == want, (env, out.stdout, out.stderr[-2000:])
