@@ -25,8 +25,8 @@
 // int8 activations and AVX-512 VNNI, more than 8 rows of a pass take `BaseVnniStrips`: each
 // block's 64-column strip is transposed for vpdpbusd once and read from L1 by every tile of
 // 4 rows (bench/results/kernels/quant_strips.md). With int8 activations and AMX-INT8, more
-// than 16 rows take `BaseAmx` in passes of up to kAmxPassRows rows: tile multiplies on each
-// block transposed once per pass (bench/results/kernels/quant_amx.md).
+// than 16 rows take `BaseAmx` in passes of up to kAmxPassRows rows (tile multiplies on each
+// block transposed once per pass), 6-16 rows `BaseAmxFew` (bench/results/kernels/quant_amx.md).
 //
 // int8 activations (act 1), as llama.cpp's CPU dot products but vectorised over columns (N is
 // contiguous here): per block, q8_0 pairs of K rows widened to int16 and vpmaddwd'd against a
@@ -99,8 +99,9 @@ constexpr int kMaxTileRows = 8;
 #define BITDELTA_QROWS_STRIP_ROWS 8
 #endif
 constexpr int64_t kStripRows = BITDELTA_QROWS_STRIP_ROWS;
-// Rows from which int8 activations take AMX tiles (`BaseAmx`) where the CPU has AMX-INT8 and
-// Linux grants the tile state: more than one 16-row pass (bench/results/kernels/quant_amx.md).
+// Rows from which int8 activations take AMX tiles in passes of up to kAmxPassRows (`BaseAmx`)
+// where the CPU has AMX-INT8 and Linux grants the tile state: more than one 16-row pass
+// (bench/results/kernels/quant_amx.md).
 #ifndef BITDELTA_QROWS_AMX_ROWS
 #define BITDELTA_QROWS_AMX_ROWS 17
 #endif
@@ -110,6 +111,11 @@ constexpr int64_t kAmxRows = BITDELTA_QROWS_AMX_ROWS;
 #define BITDELTA_QROWS_AMX_PASS_ROWS 512
 #endif
 constexpr int64_t kAmxPassRows = BITDELTA_QROWS_AMX_PASS_ROWS;
+// Rows from which a pass of at most 16 (decode batches) takes AMX tiles (`BaseAmxFew`).
+#ifndef BITDELTA_QROWS_AMX_FEW_ROWS
+#define BITDELTA_QROWS_AMX_FEW_ROWS 6
+#endif
+constexpr int64_t kAmxFewRows = BITDELTA_QROWS_AMX_FEW_ROWS;
 
 #if QROWS_AMX
 // the tile state, granted by Linux (asked once per process), unless BITDELTA_AMX=0
@@ -952,7 +958,8 @@ int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int
 // runs on 16 rows x 16 columns held in registers across the blocks: the sums pass through
 // memory once (a tile store) and y is loaded and stored once per strip, not per block (with y
 // in memory per block the stores bound it at 0.6x the VNNI strips; in registers 0.4-0.5x at 128
-// rows). Integer sums are exact: the same bits as every other int8 path. Up to 16 rows the
+// rows). Integer sums are exact: the same bits as every other int8 path. Passes of 6-16 rows
+// (decode batches) take `BaseAmxFew`: 0.67-0.91x the VNNI paths' time there; below 6 rows the
 // VNNI paths are as fast or faster (bench/results/kernels/quant_amx.md).
 // Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+),
 // asked once per process; refused, the VNNI paths run.
@@ -1110,6 +1117,79 @@ int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
 #pragma GCC unroll 16
         for (int i = 0; i < 16; ++i)
           if (i < R) _mm512_storeu_ps(acc + (r0 + i) * N + col, y[i]);
+      }
+    }
+  }
+  _tile_release();
+  return n64;
+}
+
+// passes of kAmxFewRows..16 rows (decode batches): x's block is one tile of M rows for all the
+// strips; each 64-column strip is transposed and taken as 4 column tiles at once (tiles 0-3
+// sums, 4 x, 5-6 weights), and the f32 step adds into y in memory (fewer rows than blocks'
+// worth of registers pays: one pass over the blocks, every strip used once)
+struct alignas(64) TileConfigFew {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  explicit TileConfigFew(int m) {
+    for (int t = 0; t < 4; ++t) { rows[t] = uint8_t(m); colsb[t] = 64; }
+    rows[4] = uint8_t(m); colsb[4] = 32;
+    for (int t = 5; t < 7; ++t) { rows[t] = 8; colsb[t] = 64; }
+  }
+};
+
+template <Format F>
+int64_t BaseAmxFew(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int64_t n0,
+                   int64_t n1) {
+  const int64_t n64 = n0 + (n1 - n0) / 64 * 64, N = a.N;
+  if (n64 == n0) return n0;
+  const TileConfigFew cfg(int(p.M));
+  _tile_loadconfig(&cfg);
+  alignas(64) __m512i w[32];
+  alignas(64) int32_t sums[4][16][16];
+  for (int64_t b = b0; b < b1; ++b) {
+    if (b + 1 < b1)
+      for (int64_t j = 0; j < a.qrows; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * N + n0),
+                     _MM_HINT_T0);
+    _tile_loadd(4, p.xq + b * kBlock, a.K);
+    for (int64_t n = n0; n < n64; n += 64) {
+      FillAmx<F>(a, b, n, w);
+#define QROWS_FEW_PRODUCT(C, W)                                         \
+  _tile_zero(C);                                                        \
+  _tile_loadd(W, w + C, 256);                                           \
+  if constexpr (F == kQ4_1) _tile_dpbsud(C, 4, W); else _tile_dpbssd(C, 4, W)
+      QROWS_FEW_PRODUCT(0, 5);
+      QROWS_FEW_PRODUCT(1, 6);
+      QROWS_FEW_PRODUCT(2, 5);
+      QROWS_FEW_PRODUCT(3, 6);
+#undef QROWS_FEW_PRODUCT
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+      __m512 dw[4], mw[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        dw[c] = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.d + b * N + n + 16 * c)));
+        if constexpr (F == kQ4_1)
+          mw[c] = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.m + b * N + n + 16 * c)));
+      }
+      for (int64_t i = 0; i < p.M; ++i) {
+        const int64_t k = i * a.nb + b;
+        const __m512 dx = _mm512_set1_ps(p.xd[k]);
+        float* y = acc + i * N + n;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512(sums[c][i]));
+          __m512 out = _mm512_fmadd_ps(_mm512_mul_ps(dw[c], dx), v, _mm512_loadu_ps(y + 16 * c));
+          if constexpr (F == kQ4_1)
+            out = _mm512_fmadd_ps(mw[c], _mm512_set1_ps(p.xd[k] * float(p.xqs[k])), out);
+          _mm512_storeu_ps(y + 16 * c, out);
+        }
       }
     }
   }
@@ -1326,6 +1406,12 @@ void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, i
         case kQ8_0: ns = BaseAmx<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
         case kQ4_0: ns = BaseAmx<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
         default: ns = BaseAmx<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
+      }
+    } else if (p.M >= kAmxFewRows && UseAmx(kAmxRows, true)) {
+      switch (a.fmt) {
+        case kQ8_0: ns = BaseAmxFew<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
+        case kQ4_0: ns = BaseAmxFew<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
+        default: ns = BaseAmxFew<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
       }
     }
 #endif

@@ -285,17 +285,19 @@ def test_activation_quantizer_same_in_every_build(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_tiles_equal_the_vnni_paths(fmt):
   """With AMX-INT8, int8 activations past 16 rows take tile multiplies (`BaseAmx`: each block
-  transposed once per pass of up to 128 rows, sums per 16 x 16 tile, the f32 step with y in
-  registers across blocks); built with the AMX threshold out of reach the same rows run the
-  VNNI strips. Integer sums are exact and the f32 step the same per lane: bit for bit, at row
+  transposed once per pass of up to 512 rows, sums per 16 x 16 tile, the f32 step with y in
+  registers across blocks), 6-16 rows `BaseAmxFew` (one x tile per block, y in memory); built
+  with both thresholds out of reach the same rows run the VNNI paths. Integer sums are exact and the f32 step the same per lane: bit for bit, at row
   counts inside one 16-row tile, across tiles and across the 128-row pass, strips with a
   16-column and a scalar tail, with and without variants; and against numpy."""
   if not {"amx_int8", "amx_tile"} <= _cpu_flags():
     pytest.skip("this CPU has no AMX-INT8: the native build has no AMX path")
   assert cpu_rows.amx_in_use(), "the CPU has AMX-INT8 but the native build or Linux refused it"
   target = "bitdelta_quant_rows_noamx"
-  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_AMX_ROWS=1000000"), target)
-  _same_bits(fmt, target, ((17, 96, 64, 1), (33, 576, 219, 2), (130, 1536, 136, 3)))
+  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_AMX_ROWS=1000000",
+                         "-DBITDELTA_QROWS_AMX_FEW_ROWS=1000000"), target)
+  _same_bits(fmt, target, ((6, 96, 64, 5), (11, 576, 219, 6), (16, 1536, 136, 7),
+                           (17, 96, 64, 1), (33, 576, 219, 2), (130, 1536, 136, 3)))
 
 
 def test_amx_turned_off_by_the_environment():
