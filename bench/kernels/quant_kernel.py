@@ -4,6 +4,7 @@ activations, and against f32 weights.
     python -m bench quant_kernel [--rounds 15]   → bench/results/kernels/quant_kernel.{json,md}
     python -m bench quant_kernel --quick         # smoke run: small sizes, 1 round, no files
     python -m bench quant_kernel --rows 1 8 64 --bf16   # + a prefill chunk, bf16 W
+    python -m bench quant_kernel --amx --rows 2 4 8 16 32 128 512   # AMX vs VNNI builds
 
 Rows 1 and 8 (decode), shapes SmolLM2's MLP (K=576, N=1536 and K=1536, N=576), K=2048, N=8192
 and K=N=4096. Candidates, jitted with every array an argument, interleaved round by round
@@ -321,11 +322,12 @@ def vnni_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
   print(md.read_text())
 
 
-def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
-  """int8 activations: the kernel built to take strips at every row count (AVX-512 VNNI:
-  64-column strips over a once-transposed copy of each block) against the same source built
-  with the strips out of reach (every 4-row tile transposes the block again) and XLA's f32
-  GEMM, interleaved: where the strips pay (the default takes them above kStripRows rows)."""
+def builds_ab(builds: dict[str, tuple[str, ...]], shapes, rows: tuple[int, ...],
+              n_rounds: int) -> list[dict]:
+  """int8 activations: the kernel built two ways (``builds``: name -> extra compiler flags on
+  top of ``-march=native``; the first is the candidate, the second the baseline) and XLA's f32
+  GEMM on the same arrays, interleaved per shape, format and row count; the two builds' outputs
+  compared exactly."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -333,11 +335,9 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
   from pallas_kernels.bits import group_k_for
   from pallas_kernels.quant_matmul import blocks, cpu_rows
 
-  tiles, strips = "bitdelta_quant_rows_nostrips", "bitdelta_quant_rows_allstrips"
-  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=1000000"), tiles)
-  cpu_rows.build_target(("-march=native", "-DBITDELTA_QROWS_STRIP_ROWS=0"), strips)
-  shapes = ((256, 200),) if quick else ((2048, 2048), (2048, 8192), (8192, 2048), (576, 1536))
-  n_rounds = 3 if quick else max(rounds, 21)
+  (new, _), (old, _) = builds.items()
+  for name, flags in builds.items():
+    cpu_rows.build_target(("-march=native", *flags), f"bitdelta_quant_rows_{name}")
   res = []
   for k, n in shapes:
     rng = np.random.default_rng(0)
@@ -350,19 +350,50 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
       x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
       for fmt, qk in qks.items():
         fns = {}
-        for name, t in (("strips", strips), ("tiles", tiles)):
-          f = jax.jit(lambda x, q, t=t, g=g: cpu_rows.rows_call(x, q, group_k=g,
-                                                                activations="int8", target=t))
+        for name in builds:
+          f = jax.jit(lambda x, q, t=f"bitdelta_quant_rows_{name}", g=g: cpu_rows.rows_call(
+              x, q, group_k=g, activations="int8", target=t))
           fns[name] = lambda f=f, qk=qk, x=x: f(x, qk)
         fns["xla_f32"] = lambda x=x, wj=wj, gemm=gemm: gemm(x, wj)
         med = harness.interleaved(fns, n_rounds, min_rounds=n_rounds).medians()
-        same = bool(np.array_equal(np.asarray(fns["strips"]()), np.asarray(fns["tiles"]())))
+        same = bool(np.array_equal(np.asarray(fns[new]()), np.asarray(fns[old]())))
         res.append({"rows": m, "k": k, "n": n, "format": fmt, "load": os.getloadavg()[0],
                     **{f"{c}_us": 1e6 * v for c, v in med.items()},
-                    "strips_vs_tiles": med["strips"] / med["tiles"],
-                    "strips_vs_xla": med["strips"] / med["xla_f32"],
-                    "gmac_s": m * k * n / med["strips"] / 1e9, "bit_identical": same})
+                    f"{new}_vs_{old}": med[new] / med[old],
+                    f"{new}_vs_xla": med[new] / med["xla_f32"],
+                    "gmac_s": m * k * n / med[new] / 1e9, "bit_identical": same})
         print(res[-1], flush=True)
+  return res
+
+
+def ab_table(res: list[dict], new: str, old: str) -> list[str]:
+  lines = [f"| M | K x N | format | {new} (us) | {old} (us) | XLA f32 (us) | {new} / {old} | "
+           f"{new} / XLA | {new} GMAC/s | same bits | load |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in res:
+    lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | {r['format']} | {r[new + '_us']:.0f} | "
+                 f"{r[old + '_us']:.0f} | {r['xla_f32_us']:.0f} | {r[f'{new}_vs_{old}']:.2f} | "
+                 f"{r[f'{new}_vs_xla']:.2f} | {r['gmac_s']:.0f} | {r['bit_identical']} | "
+                 f"{r['load']:.1f} |")
+  import numpy as np
+
+  ratios = [r[f"{new}_vs_{old}"] for r in res]
+  return lines + ["", f"{new} / {old} over all rows: median {np.median(ratios):.2f} "
+                  f"(range {min(ratios):.2f}-{max(ratios):.2f})."]
+
+
+def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
+  """int8 activations: the kernel built to take strips at every row count (AVX-512 VNNI:
+  64-column strips over a once-transposed copy of each block) against the same source built
+  with the strips out of reach (every 4-row tile transposes the block again) and XLA's f32
+  GEMM, interleaved: where the strips pay (the default takes them above kStripRows rows).
+  AMX is out of reach in both (it would take the rows first)."""
+  no_amx = ("-DBITDELTA_QROWS_AMX_ROWS=1000000", "-DBITDELTA_QROWS_AMX_FEW_ROWS=1000000")
+  shapes = ((256, 200),) if quick else ((2048, 2048), (2048, 8192), (8192, 2048), (576, 1536))
+  n_rounds = 3 if quick else max(rounds, 21)
+  res = builds_ab({"strips": ("-DBITDELTA_QROWS_STRIP_ROWS=0", *no_amx),
+                   "tiles": ("-DBITDELTA_QROWS_STRIP_ROWS=1000000", *no_amx)},
+                  shapes, rows, n_rounds)
   if quick:
     return
   lines = [
@@ -375,23 +406,48 @@ def strips_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
     "4-row tile; the default build takes them above 8 rows); `tiles`: the same source built "
     "with the strip threshold out of "
     "reach (each 4-row tile transposes the block again: the path before); `xla_f32`: XLA's "
-    "`x @ W` on the dense f32 matrix. Same bits: the two builds' outputs compared exactly.",
+    "`x @ W` on the dense f32 matrix. Same bits: the two builds' outputs compared exactly. "
+    "Both builds keep AMX out of reach.",
     "",
     machine_line({}),
     "",
-    "| M | K x N | format | strips (us) | tiles (us) | XLA f32 (us) | strips / tiles | "
-    "strips / XLA | strips GMAC/s | same bits | load |",
-    "|---|---|---|---|---|---|---|---|---|---|---|",
+    *ab_table(res, "strips", "tiles"),
   ]
-  for r in res:
-    lines.append(f"| {r['rows']} | {r['k']}x{r['n']} | {r['format']} | {r['strips_us']:.0f} | "
-                 f"{r['tiles_us']:.0f} | {r['xla_f32_us']:.0f} | {r['strips_vs_tiles']:.2f} | "
-                 f"{r['strips_vs_xla']:.2f} | {r['gmac_s']:.0f} | {r['bit_identical']} | "
-                 f"{r['load']:.1f} |")
-  ratios = [r["strips_vs_tiles"] for r in res]
-  lines += ["", f"strips / tiles over all rows: median {np.median(ratios):.2f} "
-            f"(range {min(ratios):.2f}-{max(ratios):.2f})."]
   md = report.write(results_dir("kernels") / "quant_strips", {"rows": res}, lines)
+  print(md.read_text())
+
+
+def amx_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
+  """int8 activations: the default build (AMX-INT8 tiles from 6 rows where the CPU has them)
+  against the same source built with both AMX thresholds out of reach (the VNNI paths) and
+  XLA's f32 GEMM, interleaved."""
+  from pallas_kernels.quant_matmul import cpu_rows
+
+  shapes = ((256, 200),) if quick else ((2048, 8192), (8192, 2048), (2048, 512), (576, 1536))
+  n_rounds = 3 if quick else max(rounds, 11)
+  res = builds_ab({"amx": (), "vnni": ("-DBITDELTA_QROWS_AMX_ROWS=1000000",
+                                       "-DBITDELTA_QROWS_AMX_FEW_ROWS=1000000")},
+                  shapes, rows, n_rounds)
+  if quick:
+    return
+  lines = [
+    "# int8 activations: AMX-INT8 tiles vs the AVX-512 VNNI paths",
+    "",
+    f"`python -m bench quant_kernel --amx --rows {' '.join(map(str, rows))}`: per shape, format "
+    f"and row count, three candidates on the same arrays, interleaved ({n_rounds} rounds), "
+    "medians. `amx`: the default build (6-16 rows `BaseAmxFew`, more `BaseAmx` in passes of "
+    "up to 512 rows; AMX in use here: "
+    f"{cpu_rows.amx_in_use()}); `vnni`: the same source built with both AMX thresholds out of "
+    "reach (VNNI per-tile paths up to 8 rows, strips above); `xla_f32`: XLA's `x @ W` on the "
+    "dense f32 matrix (oneDNN). Same bits: the two builds' outputs compared exactly. The "
+    "matrices are a few MB: they stay in the last-level cache between rounds, so the 1-16-row "
+    "times are compute, not DRAM (`--stream` measures a decode step's streaming).",
+    "",
+    machine_line({}),
+    "",
+    *ab_table(res, "amx", "vnni"),
+  ]
+  md = report.write(results_dir("kernels") / "quant_amx", {"rows": res}, lines)
   print(md.read_text())
 
 
@@ -485,6 +541,9 @@ def main() -> None:
   ap.add_argument("--strips", action="store_true",
                   help="only int8 activations' strips vs per-tile transposes at >4 rows "
                   "(bench/results/kernels/quant_strips.{json,md})")
+  ap.add_argument("--amx", action="store_true",
+                  help="only int8 activations' AMX tiles vs the VNNI paths "
+                  "(bench/results/kernels/quant_amx.{json,md})")
   ap.add_argument("--stream", action="store_true",
                   help="only a 1B model's worth of blocks streamed from 2 MiB vs 4 KiB pages "
                   "(bench/results/kernels/quant_stream.{json,md})")
@@ -496,6 +555,9 @@ def main() -> None:
     return
   if args.stream:
     stream_report(tuple(args.rows), args.rounds, args.quick)
+    return
+  if args.amx:
+    amx_report(tuple(args.rows), args.rounds, args.quick)
     return
   if args.strips:
     strips_report(tuple(args.rows), args.rounds, args.quick)
