@@ -12,6 +12,7 @@ loaded machine makes scarce). Results are written with `bench.common.report.writ
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -46,8 +47,13 @@ def interleaved(fns: Mapping[str, Callable[[], object]], rounds: int, *,
                 budget_s: float | None = None, min_rounds: int = 5,
                 block: Callable = _block) -> Timings:
   """Times each ``fn()`` (its result waited for with ``block``) once per round, the order
-  rotating; stops early once ``budget_s`` seconds have passed and ``min_rounds`` are done."""
+  changing; stops early once ``budget_s`` seconds have passed and ``min_rounds`` are done.
+  Up to 4 candidates the rounds walk every order (so each follows each other equally often:
+  with a plain rotation of 3, the first always ran right after the third, and on inputs that
+  fit the caches that decided which one found the shared arrays warm); more, a rotation."""
   names = list(fns)
+  orders = (list(itertools.permutations(names)) if len(names) <= 4 else
+            [names[r:] + names[:r] for r in range(len(names))])
   for f in fns.values():  # compile, then warm
     block(f())
     block(f())
@@ -55,7 +61,7 @@ def interleaved(fns: Mapping[str, Callable[[], object]], rounds: int, *,
   cpu: dict[str, list[float]] = {n: [] for n in names}
   start = time.perf_counter()
   for r in range(rounds):
-    for n in names[r % len(names):] + names[: r % len(names)]:
+    for n in orders[r % len(orders)]:
       c, t = time.process_time(), time.perf_counter()
       block(fns[n]())
       wall[n].append(time.perf_counter() - t)
