@@ -441,9 +441,8 @@ def amx_report(rows: tuple[int, ...], rounds: int, quick: bool) -> None:
     "reach (VNNI per-tile paths up to 8 rows, strips above); `xla_f32`: XLA's `x @ W` on the "
     "dense f32 matrix (oneDNN). Same bits: the two builds' outputs compared exactly. The "
     "matrices are a few MB: they stay in the last-level cache between rounds, so the 1-16-row "
-    "times are compute, not DRAM (`--stream` measures a decode step's streaming). At 2-4 rows, "
-    "and at 6-16 rows on matrices under 4M weights (2048x512, 576x1536), both builds run the "
-    "same VNNI code: those ratios are this machine's spread.",
+    "times are compute, not DRAM (`--stream` measures a decode step's streaming). At 2-4 rows "
+    "both builds run the same VNNI code: those ratios are this machine's spread.",
     "",
     machine_line({}),
     "",

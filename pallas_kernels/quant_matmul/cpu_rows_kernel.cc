@@ -116,13 +116,6 @@ constexpr int64_t kAmxPassRows = BITDELTA_QROWS_AMX_PASS_ROWS;
 #define BITDELTA_QROWS_AMX_FEW_ROWS 6
 #endif
 constexpr int64_t kAmxFewRows = BITDELTA_QROWS_AMX_FEW_ROWS;
-// ... on matrices of at least this many weights: on SmolLM2's (576 x 1536, 2048 x 512) the
-// VNNI paths were as fast or faster at 6-16 rows, on 2048 x 8192 and 8192 x 2048 the tiles
-// took 0.73-0.93x their time
-#ifndef BITDELTA_QROWS_AMX_FEW_WEIGHTS
-#define BITDELTA_QROWS_AMX_FEW_WEIGHTS (int64_t(1) << 22)
-#endif
-constexpr int64_t kAmxFewWeights = BITDELTA_QROWS_AMX_FEW_WEIGHTS;
 
 #if QROWS_AMX
 // the tile state, granted by Linux (asked once per process), unless BITDELTA_AMX=0
@@ -966,8 +959,8 @@ int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int
 // memory once (a tile store) and y is loaded and stored once per strip, not per block (with y
 // in memory per block the stores bound it at 0.6x the VNNI strips; in registers 0.4-0.5x at 128
 // rows). Integer sums are exact: the same bits as every other int8 path. Passes of 6-16 rows
-// (decode batches) on matrices of 4M weights or more take `BaseAmxFew`: 0.73-0.93x the VNNI
-// paths' time there; below 6 rows, or on smaller matrices, the VNNI paths are as fast or faster
+// (decode batches) take `BaseAmxFew`: 0.59-0.97x the VNNI paths' time there on the 1B and
+// SmolLM2 shapes; below 6 rows the VNNI paths are as fast or faster
 // (bench/results/kernels/quant_amx.md).
 // Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+),
 // asked once per process; refused, the VNNI paths run.
@@ -1415,7 +1408,7 @@ void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, i
         case kQ4_0: ns = BaseAmx<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
         default: ns = BaseAmx<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
       }
-    } else if (p.M >= kAmxFewRows && a.K * a.N >= kAmxFewWeights && UseAmx(kAmxRows, true)) {
+    } else if (p.M >= kAmxFewRows && UseAmx(kAmxRows, true)) {
       switch (a.fmt) {
         case kQ8_0: ns = BaseAmxFew<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
         case kQ4_0: ns = BaseAmxFew<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
