@@ -959,8 +959,8 @@ int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int
 // memory once (a tile store) and y is loaded and stored once per strip, not per block (with y
 // in memory per block the stores bound it at 0.6x the VNNI strips; in registers 0.4-0.5x at 128
 // rows). Integer sums are exact: the same bits as every other int8 path. Passes of 6-16 rows
-// (decode batches) take `BaseAmxFew`: 0.59-0.97x the VNNI paths' time there on the 1B and
-// SmolLM2 shapes; below 6 rows the VNNI paths are as fast or faster
+// (decode batches) take `BaseAmxFew`: 0.59-0.93x the VNNI paths' time there on the 1B and
+// SmolLM2 shapes (two outliers of 40); below 6 rows the VNNI paths are as fast or faster
 // (bench/results/kernels/quant_amx.md).
 // Tile state needs the kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+),
 // asked once per process; refused, the VNNI paths run.
