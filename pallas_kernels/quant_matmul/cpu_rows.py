@@ -89,11 +89,23 @@ def build_target(arch: tuple[str, ...], target: str) -> None:
   registry.build_variant(KERNELS[0], arch, target)
 
 
-def amx_in_use() -> bool:
-  """Whether int8 activations past 16 rows run on AMX tiles here: the CPU has AMX-INT8, the
-  native build has it and Linux granted the tile state."""
+_AMX_STATUS = {1: None, 0: "the native build has no AMX path (the CPU or the compiler lacks "
+                "AMX-INT8)", -1: "turned off by BITDELTA_AMX=0",
+               -2: "Linux refused the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"}
+
+
+def amx_unavailable_reason() -> str | None:
+  """None where int8 activations of 6 rows or more run on AMX tiles here, else why not."""
   lib, reason = registry.load(KERNELS[0])
-  return reason is None and lib is not None and bool(lib.BitdeltaQuantRowsAmx())
+  if reason is not None or lib is None:
+    return reason or "the kernel is not built"
+  return _AMX_STATUS[int(lib.BitdeltaQuantRowsAmx())]
+
+
+def amx_in_use() -> bool:
+  """Whether int8 activations of 6 rows or more run on AMX tiles here: the CPU has AMX-INT8,
+  the native build has it and Linux granted the tile state."""
+  return amx_unavailable_reason() is None
 
 
 def unavailable_reason() -> str | None:

@@ -1607,8 +1607,18 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
 
 }  // namespace
 
-// 1 where int8 activations take the AMX tiles past 16 rows in this build and process, else 0
-extern "C" int BitdeltaQuantRowsAmx() { return UseAmx(kAmxRows, true) ? 1 : 0; }
+// whether int8 activations take the AMX tiles in this build and process: 1 yes; 0 the build has
+// no AMX path (the CPU or the compiler lacks AMX-INT8); -1 turned off by BITDELTA_AMX=0; -2
+// Linux refused the tile state
+extern "C" int BitdeltaQuantRowsAmx() {
+#if QROWS_AMX
+  if (AmxGranted()) return 1;
+  const char* env = std::getenv("BITDELTA_AMX");
+  return env && std::string(env) == "0" ? -1 : -2;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRows, Impl,
                               ffi::Ffi::Bind()
