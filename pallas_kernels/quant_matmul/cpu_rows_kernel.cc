@@ -129,14 +129,18 @@ bool AmxGranted() {
 }
 #endif
 
-// whether int8-activation passes of `rows` rows take `BaseAmx`
-inline bool UseAmx(int64_t rows, bool int8_act) {
+// whether this build has the AMX paths and this process may use them
+inline bool AmxOn() {
 #if QROWS_AMX
-  return int8_act && rows >= kAmxRows && AmxGranted();
+  return AmxGranted();
 #else
-  (void)rows, (void)int8_act;
   return false;
 #endif
+}
+
+// whether int8-activation calls of `rows` rows take `BaseAmx` (passes of up to kAmxPassRows)
+inline bool UseAmx(int64_t rows, bool int8_act) {
+  return int8_act && rows >= kAmxRows && AmxOn();
 }
 
 // Columns a task takes at least before the work is split over K as well. On 2 threads (K = N =
@@ -1127,8 +1131,9 @@ int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
 
 // passes of kAmxFewRows..16 rows (decode batches): x's block is one tile of M rows for all the
 // strips; each 64-column strip is transposed and taken as 4 column tiles at once (tiles 0-3
-// sums, 4 x, 5-6 weights), and the f32 step adds into y in memory (fewer rows than blocks'
-// worth of registers pays: one pass over the blocks, every strip used once)
+// sums, 4 x, 5-6 weights), and the f32 step adds into y in memory. With one row tile there is
+// nothing to share a transposed strip with, so `BaseAmx`'s buffer of every block's strips
+// (and its y in registers, one column tile at a time) would cost more than it saves.
 struct alignas(64) TileConfigFew {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
@@ -1408,7 +1413,7 @@ void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, i
         case kQ4_0: ns = BaseAmx<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
         default: ns = BaseAmx<kQ4_1>(a, p, acc, b0, b1, n0, n1); break;
       }
-    } else if (p.M >= kAmxFewRows && UseAmx(kAmxRows, true)) {
+    } else if (p.M >= kAmxFewRows && AmxOn()) {
       switch (a.fmt) {
         case kQ8_0: ns = BaseAmxFew<kQ8_0>(a, p, acc, b0, b1, n0, n1); break;
         case kQ4_0: ns = BaseAmxFew<kQ4_0>(a, p, acc, b0, b1, n0, n1); break;
