@@ -29,6 +29,17 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def wait_all_buckets(url: str, timeout_s: float = 1800, poll_s: float = 0.2) -> float:
+  """Seconds until ``url``'s /health lists no step bucket still compiling in the background
+  (0 for a server without the background compile); TimeoutError after ``timeout_s``."""
+  t0 = time.perf_counter()
+  while (health(url) or {}).get("buckets", {}).get("compiling"):
+    if time.perf_counter() - t0 > timeout_s:
+      raise TimeoutError(f"buckets still compiling after {timeout_s} s")
+    time.sleep(poll_s)
+  return time.perf_counter() - t0
+
+
 def url_of(port_or_url) -> str:
   return port_or_url if isinstance(port_or_url, str) else f"http://127.0.0.1:{port_or_url}"
 

@@ -111,18 +111,6 @@ def growth(url: str, lens: list[int]) -> dict:
           "slowest_request_s": round(slowest[0], 2), "slowest_request_len": slowest[1]}
 
 
-def wait_all_ready(url: str, timeout_s: float = 1800) -> float:
-  """Seconds until /health lists no bucket still compiling (0 for a server without the
-  background compile)."""
-  t0 = time.perf_counter()
-  while time.perf_counter() - t0 < timeout_s:
-    h = server.health(url) or {}
-    if not (h.get("buckets") or {}).get("compiling"):
-      return time.perf_counter() - t0
-    time.sleep(0.5)
-  raise TimeoutError(f"buckets still compiling after {timeout_s} s")
-
-
 def server_part(name: str, src: pathlib.Path, base: pathlib.Path, tmp: pathlib.Path) -> dict:
 
   cache = tmp / f"cache-{name}"
@@ -137,7 +125,7 @@ def server_part(name: str, src: pathlib.Path, base: pathlib.Path, tmp: pathlib.P
       out["growth_pass2"] = growth(url, lens)
       # the background compile (issue 47) shares the cores with passes 1-2 of a cold start;
       # pass 3 runs once every bucket is ready: the steady-state speed
-      out["all_ready_wait_s"] = round(wait_all_ready(url), 1)
+      out["all_ready_wait_s"] = round(server.wait_all_buckets(url, poll_s=0.5), 1)
       out["growth_pass3"] = growth(url, lens)
       out["compiles_after_warmup"] = (server.health(url) or {}).get("compiles_after_warmup")
     finally:

@@ -66,8 +66,7 @@ def one_start(gguf: pathlib.Path, mode: str, cache: pathlib.Path, log) -> dict:
   t_ready = time.time()
   try:
     ttft = first_token_s(url, [1] + [100 + i for i in range(127)])
-    while (server.health(url) or {}).get("buckets", {}).get("compiling"):
-      time.sleep(0.2)
+    server.wait_all_buckets(url)
     all_s = ready_s + time.time() - t_ready
     h = server.health(url) or {}
   finally:

@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     try:
       server.wait_healthy(proc, port, log)
       url = server.url_of(port)
-      while (server.health(url) or {}).get("buckets", {}).get("compiling"):
-        time.sleep(0.5)
+      server.wait_all_buckets(url)
       rng = random.Random(0)
       runs: dict[int, list[float]] = {n: [] for n in a.lengths}
       for _ in range(a.rounds):

@@ -130,8 +130,8 @@ def start(which: str, gguf: pathlib.Path, llama_exe: str, log, cache: pathlib.Pa
     proc = launch_llama_server(llama_exe, gguf, port, log, parallel=PARALLEL, ctx=MAX_SEQ)
   seconds = server.wait_healthy(proc, port, log, t0, poll_s=0.1)
   url = server.url_of(port)
-  while (server.health(url) or {}).get("buckets", {}).get("compiling"):  # ours: the background
-    time.sleep(0.2)  # compile of the larger step buckets; the runs measure the steady state
+  server.wait_all_buckets(url)  # ours: the background compile of the larger step buckets;
+  # the runs measure the steady state
   return proc, url, seconds, time.time() - t0
 
 

@@ -355,6 +355,15 @@ void BaseI8Scalar(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t 
 }
 
 #if QROWS_AVX2
+// the first cache line from column n of each byte row of block b + 1, if b + 1 < b1: the next
+// block's streams start while block b is worked on
+inline void PrefetchNextBlock(const Args& a, int64_t b, int64_t b1, int64_t n) {
+  if (b + 1 >= b1) return;
+  for (int64_t j = 0; j < a.qrows; ++j)
+    _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n),
+                 _MM_HINT_T0);
+}
+
 // P[i][c] (8 columns each) = Σ_j x[row i, block b, j] · q[b, j, n + 8c], then
 // acc[row i, n + 8c] += d·P (+ m·Σx). R rows from `row0`, C vectors of 8 columns.
 template <Format F, int R, int C>
@@ -531,10 +540,7 @@ void Base(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, int6
           int64_t n1) {
   const int64_t n8 = n0 + (n1 - n0) / 8 * 8;
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + 1 < b1)  // the next block's first bytes of this range: the streams start early
-      for (int64_t j = 0; j < a.qrows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
-                     _MM_HINT_T0);
+    PrefetchNextBlock(a, b, b1, n0);
     for (int64_t r = 0; r < p.M; r += kMaxTileRows) {
       switch (std::min<int64_t>(kMaxTileRows, p.M - r)) {
         case 1: TileRow<F, 1>(a, p, acc, b, r, n0, n8); break;
@@ -931,10 +937,7 @@ int64_t BaseVnniStrips(const Args& a, const Pass& p, float* acc, int64_t b0, int
   const int64_t n64 = n0 + (n1 - n0) / 64 * 64;
   StripBuf buf;
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + 1 < b1)
-      for (int64_t j = 0; j < a.qrows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
-                     _MM_HINT_T0);
+    PrefetchNextBlock(a, b, b1, n0);
     for (int64_t n = n0; n < n64; n += 64) {
       FillStrip<F>(a, b, n, buf);
       int64_t r = 0;
@@ -1052,7 +1055,7 @@ int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
   const int64_t n64 = n0 + (n1 - n0) / 64 * 64, N = a.N, K = a.K, nb = b1 - b0;
   if (n64 == n0 || nb == 0) return n0;
   thread_local std::vector<__m512i> pack;  // [block][32 vectors]
-  thread_local std::vector<float> scales;  // [row tile][block][dx 16 | dq 16]
+  thread_local std::vector<float> scales;  // [row tile][block][dx 16 | dq 16 (q4_1)]
   if (int64_t(pack.size()) < 32 * nb) pack.resize(32 * nb);
   const int64_t tiles = (p.M + 15) / 16;
   if (int64_t(scales.size()) < tiles * nb * 32) scales.resize(tiles * nb * 32);
@@ -1062,7 +1065,7 @@ int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
       for (int64_t i = 0; i < 16; ++i) {
         const int64_t r = 16 * t + i, k = r * a.nb + b0 + b;
         s[i] = r < p.M ? p.xd[k] : 0.f;
-        s[16 + i] = r < p.M ? p.xd[k] * float(p.xqs[k]) : 0.f;
+        if constexpr (F == kQ4_1) s[16 + i] = r < p.M ? p.xd[k] * float(p.xqs[k]) : 0.f;
       }
     }
   const TileConfig cfg;
@@ -1070,10 +1073,7 @@ int64_t BaseAmx(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1
   alignas(64) int32_t sums[2][16 * 16];
   for (int64_t n = n0; n < n64; n += 64) {
     for (int64_t b = b0; b < b1; ++b) {
-      if (b + 1 < b1)
-        for (int64_t j = 0; j < a.qrows; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * N + n),
-                       _MM_HINT_T0);
+      PrefetchNextBlock(a, b, b1, n);
       FillAmx<F>(a, b, n, pack.data() + 32 * (b - b0));
     }
     for (int64_t t = 0; t < tiles; ++t) {
@@ -1155,10 +1155,7 @@ int64_t BaseAmxFew(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t
   alignas(64) __m512i w[32];
   alignas(64) int32_t sums[4][16][16];
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + 1 < b1)
-      for (int64_t j = 0; j < a.qrows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * N + n0),
-                     _MM_HINT_T0);
+    PrefetchNextBlock(a, b, b1, n0);
     _tile_loadd(4, p.xq + b * kBlock, a.K);
     for (int64_t n = n0; n < n64; n += 64) {
       FillAmx<F>(a, b, n, w);
@@ -1343,10 +1340,7 @@ void BaseVnni(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, 
   const int64_t n64 = n0 + (n1 - n0) / 64 * 64, n16 = n0 + (n1 - n0) / 16 * 16;
   const QuadIdx ix;
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + 1 < b1)
-      for (int64_t j = 0; j < a.qrows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
-                     _MM_HINT_T0);
+    PrefetchNextBlock(a, b, b1, n0);
     int64_t n = n0;
     for (; n < n64; n += 64) RowsVnni<F, 4>(a, p, ix, acc, b, n);
     for (; n < n16; n += 16) RowsVnni<F, 1>(a, p, ix, acc, b, n);
@@ -1382,10 +1376,7 @@ void BaseI8(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, in
   const int64_t nv = n0 + (n1 - n0) / cols * cols;
   const int64_t n32 = n0 + (n1 - n0) / 32 * 32;
   for (int64_t b = b0; b < b1; ++b) {
-    if (b + 1 < b1)
-      for (int64_t j = 0; j < a.qrows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(a.qs + ((b + 1) * a.qrows + j) * a.N + n0),
-                     _MM_HINT_T0);
+    PrefetchNextBlock(a, b, b1, n0);
     int64_t n = n0;
     if constexpr (F == kQ8_0) {
       if (cols == 64)

@@ -17,7 +17,7 @@ import model_fixtures
 import numpy as np
 import pytest
 
-from serving.testing import synthetic_family
+from serving.testing import synthetic_family, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.server]  # starts servers
 
@@ -186,14 +186,10 @@ def _every_bucket_ready(server, timeout_s: float = 300) -> None:
   """Waits until /health lists no step bucket still compiling in the background: until then a
   step is padded to (or chunked by) the buckets ready so far, and an f32 product over another
   row count may round differently in the last bit."""
-  import time
-
   import requests
 
-  deadline = time.monotonic() + timeout_s
-  while requests.get(server.url + "/health", timeout=10).json()["buckets"]["compiling"]:
-    assert time.monotonic() < deadline, "buckets still compiling"
-    time.sleep(0.2)
+  wait_for(lambda: not requests.get(server.url + "/health", timeout=10).json()["buckets"][
+    "compiling"], "buckets still compiling", timeout=timeout_s, every=0.2)
 
 
 def test_streamed_logprobs_equal_the_non_streamed_ones(server, client):
