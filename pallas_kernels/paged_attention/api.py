@@ -3,10 +3,8 @@
 Implementations (``implementation=``):
 
 * ``"reference"``: `reference.ragged_paged_attention`, plain jnp, any backend.
-* ``"cpu"``: the decode lanes through the C++ kernel (`cpu.py`, host CPU, read in place from
-  the pools), the packed-prefill pass and `merge` from the reference, as for ``"mosaic_gpu"``
-  (for pools other than f32 the prefill pass reads its pages with `cpu.gather`: XLA's CPU
-  backend would gather them from an f32 copy of the whole pool).
+* ``"cpu"``: the decode lanes and the packed-prefill pass through the C++ kernels (`cpu.py`,
+  host CPU, read in place from the pools), put together by the reference's `merge`.
 * ``"mosaic_gpu"``: the decode lanes through the Pallas Mosaic GPU decode kernel
   (`mosaic_gpu.py`, NVIDIA Hopper or newer), the packed-prefill pass through the Mosaic GPU
   prefill kernel (`mosaic_gpu_prefill.py`: bf16/f16 pools, head_dim 64 or 128, pages dividing
@@ -173,10 +171,10 @@ def ragged_paged_attention(
   if name == "mosaic_gpu" and prefill_unavailable_reason(q_NxHxD, k_pool) is None:
     pre = mosaic_gpu_prefill.packed_prefill(
       q_NxHxD, k_pool, v_pool, layer, inputs, window=window, interpret=interpret)
+  elif name == "cpu":
+    pre = cpu.packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs, window=window)
   else:
-    narrow = name == "cpu" and k_pool.dtype != jnp.float32
-    pre = reference.packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs, window=window,
-                                   gather=cpu.gather if narrow else None)
+    pre = reference.packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs, window=window)
   return reference.merge(dec, pre, lane_len)
 
 

@@ -16,8 +16,10 @@ turns it off for ``implementation=None``.
 `write` (the same library) stores a step's new K/V rows into a pool in place: XLA's CPU backend
 computes a bf16 scatter in f32 (it converts the whole pool to f32 and back), so the engine's
 ``pool.at[layer, page, offset].set(new)`` cost a bf16 step time proportional to the pool's size.
-`gather` copies pages of one layer out of a pool (the packed-prefill pass's reads) for the same
-reason.
+`packed_prefill` (the same library) is `reference.packed_prefill`: each prompt token against its
+own sequence's pages up to its position, a flash-attention loop over 16-key chunks, one task per
+(tile of one sequence's tokens, KV head). The reference scores every packed token against every
+page of the step and masks; at a 2k-token prompt that was half the time to first token.
 """
 
 from __future__ import annotations
@@ -35,13 +37,13 @@ from pallas_kernels.native.registry import NativeKernel
 _SOURCE = pathlib.Path(__file__).with_name("cpu_kernel.cc")
 _TARGET = "bitdelta_paged_decode"
 _WRITE_TARGET = "bitdelta_paged_write"
-_GATHER_TARGET = "bitdelta_paged_gather"
+_PREFILL_TARGET = "bitdelta_paged_prefill"
 _BIG = 1 << 30  # "no window", as the reference
 
 
 KERNELS = (NativeKernel("paged_attention", _SOURCE, (
   (_TARGET, "BitdeltaPagedDecode"), (_WRITE_TARGET, "BitdeltaPagedWrite"),
-  (_GATHER_TARGET, "BitdeltaPagedGather")), "the CPU paged-attention kernel"),)
+  (_PREFILL_TARGET, "BitdeltaPagedPrefill")), "the CPU paged-attention kernel"),)
 
 
 def _load() -> str | None:
@@ -50,8 +52,11 @@ def _load() -> str | None:
 
 def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernel with target flags ``arch`` (``()``: the portable build, no AVX-512) and
-  registers its decode entry as FFI target ``target`` (pass it to `decode_lanes`). For tests."""
-  registry.build_variant(KERNELS[0], arch, target)
+  registers its decode entry as FFI target ``target`` (pass it to `decode_lanes`) and its
+  packed-prefill entry as ``target + "_prefill"`` (for `packed_prefill`). For tests."""
+  lib = registry.build_variant(KERNELS[0], arch, target)
+  jax.ffi.register_ffi_target(target + "_prefill", jax.ffi.pycapsule(lib.BitdeltaPagedPrefill),
+                              platform="cpu")
 
 
 def shapes_supported(*, num_heads: int, num_kv_heads: int, dtype, q_dtype) -> str | None:
@@ -135,17 +140,27 @@ def write(pool, layer, page, offset, new):
   return call(pool, rows, src)
 
 
-def gather(pool, layer, pages):
-  """``pool[layer, pages]`` (``[n, PS, KV, hd]`` for ``pages [n]``; ``layer`` an int, possibly
-  traced; indices clamped, as XLA's gather) by copying the pages, in the pool's dtype. Raises
-  NotImplementedError when the kernel cannot be built."""
+def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs, *, window=None,
+                   target: str = _PREFILL_TARGET):
+  """`reference.packed_prefill` through the kernel: ``[N, H, hd]`` in q's dtype, every token of
+  ``inputs.token_seq >= 0`` against the pages of ``inputs.pages`` labelled with its sequence,
+  keys at positions ``<= its position`` (and ``> position - window``); zeros for a token with no
+  key. ``inputs.blocks`` is not read: the kernel walks each sequence's own pages. ``target``:
+  another build (`registry.build_variant`, for tests). Raises NotImplementedError when the
+  kernel cannot be built or does not take the shapes."""
   if reason := _load():
     raise NotImplementedError(reason)
-  pages = jnp.asarray(pages, jnp.int32)
-  n_layers = pool.shape[0]
-  layer = jnp.asarray(layer, jnp.int32)
-  layer = jnp.where(layer < 0, layer + n_layers, layer)  # jnp indexing: negative from the end
-  call = jax.ffi.ffi_call(
-    _GATHER_TARGET, jax.ShapeDtypeStruct((*pages.shape, *pool.shape[2:]), pool.dtype)
+  n, h, d = q_NxHxD.shape
+  if reason := shapes_supported(
+    num_heads=h, num_kv_heads=k_pool.shape[3], dtype=k_pool.dtype, q_dtype=q_NxHxD.dtype
+  ):
+    raise NotImplementedError(f"paged attention 'cpu': {reason}")
+  t = inputs
+  i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+  call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((n, h, d), jnp.float32))
+  out = call(
+    q_NxHxD.astype(jnp.float32), k_pool, v_pool, i32(layer), i32(t.token_seq), i32(t.positions),
+    i32(t.pages), i32(t.page_seq), i32(t.page_start), i32(t.page_fill),
+    i32(_BIG if window is None else window), scale=np.float32(d**-0.5),
   )
-  return call(pool, layer, pages.reshape(-1)).reshape(*pages.shape, *pool.shape[2:])
+  return out.astype(q_NxHxD.dtype)

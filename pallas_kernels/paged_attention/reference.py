@@ -99,14 +99,10 @@ def decode_lanes(
   return dec.reshape(r, h, d)
 
 
-def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *, window=None,
-                   gather=None):
+def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *, window=None):
   """The packed-prefill pass alone: ``[N, H, hd]``, every token against the step's prompt pages
   of its own sequence (``inputs.token_seq``) up to its position; zeros for a token with no key.
-  Only ``inputs.blocks[1]`` is read. ``gather(pool, layer, pages)``: how pages are read,
-  ``pool[layer, pages]`` by default (`cpu.gather` for bf16 pools on CPU, where XLA would
-  convert the whole pool to f32 first)."""
-  take = gather or (lambda pool, layer, pg: pool[layer, pg])
+  Only ``inputs.blocks[1]`` is read."""
   n, h, d = q_NxHxD.shape
   _, _, ps, kv, _ = k_pool.shape
   g = h // kv
@@ -120,8 +116,8 @@ def packed_prefill(q_NxHxD, k_pool, v_pool, layer, inputs: AttentionInputs, *, w
   def packed_block(j, carry):
     sl = lambda a: jax.lax.dynamic_slice_in_dim(a, j * bp, bp)  # noqa: E731
     pg, seq, start, fill = sl(t.pages), sl(t.page_seq), sl(t.page_start), sl(t.page_fill)
-    k = take(k_pool, layer, pg).reshape(bk, kv, d)
-    v = take(v_pool, layer, pg).reshape(bk, kv, d)
+    k = k_pool[layer, pg].reshape(bk, kv, d)
+    v = v_pool[layer, pg].reshape(bk, kv, d)
     s = jnp.einsum("nkgd,skd->nkgs", q, k, preferred_element_type=jnp.float32) * scale
     within = jnp.arange(ps, dtype=jnp.int32)
     kpos = (start[:, None] + within[None]).reshape(bk)
