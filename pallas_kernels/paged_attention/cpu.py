@@ -1,4 +1,5 @@
-"""Decode-lane attention on the host CPU: a C++ kernel called through `jax.ffi`.
+"""Paged attention on the host CPU (decode lanes, packed prompt chunks): C++ kernels called
+through `jax.ffi`.
 
 Why: on CPU the engine's attention was the jnp reference, whose decode pass gathers each lane's
 pages out of the pools (a copy and a transpose per block) for as many blocks as the longest

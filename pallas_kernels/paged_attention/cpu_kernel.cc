@@ -1,4 +1,5 @@
-// Decode-lane attention on the host CPU, read in place from the paged KV pools.
+// Paged attention on the host CPU (decode lanes; packed prompt chunks below), read from the
+// paged KV pools.
 //
 // Why: the jnp reference (`reference.decode_lanes`) gathers every lane's pages out of the pools
 // (`k_pool[layer, pages]`, a copy) for a fixed number of blocks (the longest lane's), then
