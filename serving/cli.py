@@ -88,7 +88,8 @@ def add_serve_options(p: argparse.ArgumentParser, *, require_base: bool = False)
                       "max_position_embeddings if shorter; longer is refused)")
   p.add_argument("--page-size", type=int, metavar="T", help="tokens per KV-cache page (16)")
   p.add_argument("--kv-cache-mb", type=float, metavar="M",
-                 help="KV-cache pool shared by all sequences, MiB (1024)")
+                 help="KV-cache pool shared by all sequences, MiB (default: what 4096 tokens or "
+                      "two sequences of --max-seq-len need, at most 1024)")
   p.add_argument("--prefill-chunk", type=int, metavar="T",
                  help="prompt tokens per engine iteration; longer prompts are chunked (512)")
   p.add_argument("--no-prefix-caching", action="store_true",

@@ -67,7 +67,7 @@ class ServerConfig:
   max_queued_requests: int | None = None
   max_seq_len: int = 2048  # prompt + generated tokens per sequence
   page_size: int = 16  # tokens per KV-cache page
-  kv_cache_mb: float = 1024.0  # KV-cache pool (pages are shared by all sequences)
+  kv_cache_mb: float | None = None  # KV-cache pool, MiB; None: sized to fit (`build.kv_pages`)
   prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
   prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes, per variant
   dtype: str = "float32"

@@ -121,24 +121,38 @@ def kv_token_bytes(model_config, itemsize: int) -> int:
   return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * itemsize
 
 
+# the default KV pool (``kv_cache_mb=None``) of each data group: this many tokens or two
+# sequences of ``max_seq_len``, whichever is more (llama-server's default context is 4096),
+# at most ``AUTO_KV_MAX_MB`` (but always one sequence) and at most what the rows need
+AUTO_KV_TOKENS = 4096
+AUTO_KV_MAX_MB = 1024
+
+
 def kv_pages(cfg, model_config, itemsize: int | None = None) -> int:
   """KV pages of each data group's pool (the reserved page 0 included): ``kv_cache_mb`` split
-  over the data groups, at most what its rows need at ``max_seq_len``. Raises ValueError when a
-  group's share cannot hold one sequence of ``max_seq_len``."""
+  over the data groups, at most what its rows need at ``max_seq_len``; ``kv_cache_mb=None``
+  sizes it to fit (``AUTO_KV_TOKENS``: SmolLM2-135M's pool is then 180 MiB in f32, not the
+  1 GiB it used to take by default). Raises ValueError when a group's share of an explicit
+  ``kv_cache_mb`` cannot hold one sequence of ``max_seq_len``."""
   if itemsize is None:
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.dtype]
   groups = data_size(cfg) if not getattr(cfg, "multi_process", False) else 1
   token_bytes = kv_token_bytes(model_config, itemsize)
+  page_bytes = token_bytes * cfg.page_size
   per_seq = -(-cfg.max_seq_len // cfg.page_size)
-  budget = int(cfg.kv_cache_mb * (1 << 20)) // groups // (token_bytes * cfg.page_size)
+  rows = max(1, cfg.max_batch // groups)
+  if cfg.kv_cache_mb is None:
+    want = -(-max(AUTO_KV_TOKENS, 2 * cfg.max_seq_len) // cfg.page_size)
+    budget = max(per_seq, min(want, AUTO_KV_MAX_MB * (1 << 20) // page_bytes))
+    return max(2, min(rows * per_seq, budget) + 1)
+  budget = int(cfg.kv_cache_mb * (1 << 20)) // groups // page_bytes
   if budget < per_seq:
-    need_mb = per_seq * cfg.page_size * token_bytes * groups / (1 << 20)
+    need_mb = per_seq * page_bytes * groups / (1 << 20)
     raise ValueError(
       f"kv_cache_mb: {cfg.kv_cache_mb:g} MiB holds {budget * cfg.page_size} tokens of this "
       f"model's KV cache{f' per data group ({groups})' if groups > 1 else ''}, less than one "
       f"sequence of max_seq_len {cfg.max_seq_len}; raise --kv-cache-mb to at least "
       f"{need_mb:.1f} or lower --max-seq-len")
-  rows = max(1, cfg.max_batch // groups)
   return max(2, min(rows * per_seq, budget) + 1)
 
 

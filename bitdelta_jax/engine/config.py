@@ -26,7 +26,9 @@ class EngineConfig:
   max_batch: int = 32  # most sequences decoding at once (a step runs only the live ones)
   max_seq_len: int = 2048  # prompt + generated tokens per sequence
   page_size: int = 16  # tokens per KV-cache page
-  kv_cache_mb: float = 1024.0  # KV-cache pool (pages are shared by all sequences)
+  # KV-cache pool, MiB (pages are shared by all sequences); None: sized to fit
+  # (`build.kv_pages`: 4096 tokens or two sequences, at most 1024 MiB)
+  kv_cache_mb: float | None = None
   prefill_chunk: int = 512  # prompt tokens per engine iteration (longer prompts are chunked)
   prefix_caching: bool = True  # reuse the KV pages of shared prompt prefixes, per variant
   warmup: bool = True  # compile every step program before serving
@@ -60,7 +62,9 @@ class EngineConfig:
                       ("num_processes", 1)):
       need(getattr(self, field) >= lo, field, f"must be >= {lo}, got {getattr(self, field)}")
     for field in ("kv_cache_mb", "stall_timeout_s", "step_timeout_s", "start_timeout_s"):
-      need(getattr(self, field) > 0, field, f"must be > 0, got {getattr(self, field)}")
+      value = getattr(self, field)
+      need((value is None and field == "kv_cache_mb") or (value is not None and value > 0),
+           field, f"must be > 0, got {value}")
     need(0 <= self.process_id < self.num_processes, "process_id",
          f"must be in [0, {self.num_processes}), got {self.process_id}")
     need(self.num_processes == 1 or bool(self.coordinator), "coordinator",
