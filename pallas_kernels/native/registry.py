@@ -78,16 +78,20 @@ def load(k: NativeKernel) -> tuple[ctypes.CDLL | None, str | None]:
     return _loaded[k.name]
 
 
-def build_variant(k: NativeKernel, arch: tuple[str, ...], target: str) -> ctypes.CDLL:
+def build_variant(k: NativeKernel, arch: tuple[str, ...], target: str,
+                  others: dict[str, str] | None = None) -> ctypes.CDLL:
   """Builds ``k`` with target flags ``arch`` (e.g. ``("-march=native", "-mno-avx512f")``,
   ``()`` for portable code) and registers its handlers under ``target`` in place of
   `NativeKernel.target` (``bitdelta_x_nt`` becomes ``target + "_nt"``; handlers not named after
-  the first are left out): for tests and benches of the paths this machine's build skips."""
+  the first are left out unless ``others`` maps their FFI target to the variant's): for tests
+  and benches of the paths this machine's build skips."""
   lib, reason = _build(k, arch)
   if lib is None:
     raise RuntimeError(f"{k.what} cannot be built with {arch}: {reason}")
+  others = others or {}
   _register(lib, [(target + t[len(k.target):], s) for t, s in k.handlers
-                  if t.startswith(k.target)])
+                  if t.startswith(k.target)] +
+            [(others[t], s) for t, s in k.handlers if t in others])
   return lib
 
 

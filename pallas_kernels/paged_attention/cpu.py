@@ -55,9 +55,7 @@ def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernel with target flags ``arch`` (``()``: the portable build, no AVX-512) and
   registers its decode entry as FFI target ``target`` (pass it to `decode_lanes`) and its
   packed-prefill entry as ``target + "_prefill"`` (for `packed_prefill`). For tests."""
-  lib = registry.build_variant(KERNELS[0], arch, target)
-  jax.ffi.register_ffi_target(target + "_prefill", jax.ffi.pycapsule(lib.BitdeltaPagedPrefill),
-                              platform="cpu")
+  registry.build_variant(KERNELS[0], arch, target, others={_PREFILL_TARGET: target + "_prefill"})
 
 
 def shapes_supported(*, num_heads: int, num_kv_heads: int, dtype, q_dtype) -> str | None:
