@@ -87,6 +87,9 @@ _ALL = (
           traced=True),
   Setting("BITDELTA_QUANT_ROWS", "bool", True, "0: no native GGUF block kernel on CPU",
           traced=True),
+  Setting("BITDELTA_QUANT_ROWS_MANY", "bool", True,
+          "0: a layer's q/k/v and gate/up over GGUF blocks take one kernel call each, not one "
+          "together (the same numbers)", traced=True),
   Setting("BITDELTA_CPU_ROWS", "bool", True, "0: no native 1-bit delta row kernel on CPU",
           traced=True),
   Setting("BITDELTA_CPU_MERGED", "bool", True,

@@ -43,6 +43,7 @@ from pallas_kernels.lm_head.reference import (  # noqa: F401  (read here by an o
   packed_products_reference as _packed_products_reference,
 )
 from pallas_kernels.quant_matmul import QuantizedKernel, dequantize, quant_matmul, take_columns
+from pallas_kernels.quant_matmul.api import quant_matmul_many
 
 _init = nnx.initializers.normal(0.02)
 
@@ -168,13 +169,17 @@ class DeltaDense(nnx.Module):
   def has_bank(self) -> bool:
     return self.delta_bits is not None
 
+  def _bank(self, slot_ids, t: int) -> tuple:
+    """(bits, scale, per-row slot ids) of this layer's bank, or () without one."""
+    if self.has_bank and slot_ids is not None:
+      ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
+      return (self.delta_bits[...], self.delta_scale[...], ids)
+    return ()
+
   def __call__(self, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> jax.Array:
     b, t, k = x_BxTxK.shape
     x = x_BxTxK.reshape(b * t, k)
-    bank = ()
-    if self.has_bank and slot_ids is not None:
-      ids = jnp.repeat(slot_ids.astype(jnp.int32), t)
-      bank = (self.delta_bits[...], self.delta_scale[...], ids)
+    bank = self._bank(slot_ids, t)
     # The kernel API picks the implementation (few-rows CPU kernel, base product, delta kernel,
     # or the sharded callable in `implementation`); f32 so a LoRA term adds to it as before.
     w = self.kernel.get_value()
@@ -183,6 +188,12 @@ class DeltaDense(nnx.Module):
     else:
       y = delta_matmul(x, w, *bank, group_k=self.group_k, implementation=self.implementation,
                        preferred_element_type=jnp.float32)
+    return self._finish(y, x_BxTxK, slot_ids)
+
+  def _finish(self, y: jax.Array, x_BxTxK: jax.Array, slot_ids) -> jax.Array:
+    """The product ``y [B·T, out]`` (f32, base + delta) to the layer's output: LoRA, dtype,
+    bias."""
+    b, t, _ = x_BxTxK.shape
     y = y.reshape(b, t, self.out_features)
     if self.lora_a is not None and slot_ids is not None:
       y = jax.lax.cond(jnp.any(slot_ids > 0),
@@ -197,6 +208,23 @@ class DeltaDense(nnx.Module):
         bias = bias.astype(self.bias.dtype)[:, None, :]
       y = y + bias
     return y
+
+
+def dense_many(denses, x_BxTxK: jax.Array, slot_ids: jax.Array | None = None) -> list:
+  """``[d(x, slot_ids) for d in denses]`` for layers that read one x (q/k/v, gate/up): over a
+  GGUF base's blocks the products go through one call (`quant_matmul_many`: on the CPU one
+  kernel call, x quantized once and one thread-pool run, the same numbers as separate calls);
+  otherwise each layer is called."""
+  ws = [d.kernel.get_value() for d in denses]
+  banks = [d._bank(slot_ids, x_BxTxK.shape[1]) for d in denses]
+  if not all(isinstance(w, QuantizedKernel) for w in ws) or len({len(bk) for bk in banks}) > 1:
+    return [d(x_BxTxK, slot_ids) for d in denses]
+  b, t, k = x_BxTxK.shape
+  ys = quant_matmul_many(x_BxTxK.reshape(b * t, k), ws,
+                         None if not banks[0] else [bk[:2] for bk in banks],
+                         banks[0][2] if banks[0] else None, group_k=denses[0].group_k,
+                         preferred_element_type=jnp.float32)
+  return [d._finish(y, x_BxTxK, slot_ids) for d, y in zip(denses, ys)]
 
 
 class RMSNorm(nnx.Module):

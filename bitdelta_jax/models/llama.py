@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from bitdelta_jax.models.config import ModelConfig
-from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm
+from bitdelta_jax.models.layers import DeltaDense, Embed, LMHead, RMSNorm, dense_many
 
 _NEG = float(np.finfo(np.float32).min)
 
@@ -106,9 +106,10 @@ class Attention(nnx.Module):
 
   def __call__(self, x, cos, sin, slot_ids, attend: Callable) -> jax.Array:
     b, t, _ = x.shape
-    q = self.q_proj(x, slot_ids).reshape(b, t, self.num_heads, self.head_dim)
-    k = self.k_proj(x, slot_ids).reshape(b, t, self.num_kv_heads, self.head_dim)
-    v = self.v_proj(x, slot_ids).reshape(b, t, self.num_kv_heads, self.head_dim)
+    q, k, v = dense_many((self.q_proj, self.k_proj, self.v_proj), x, slot_ids)
+    q = q.reshape(b, t, self.num_heads, self.head_dim)
+    k = k.reshape(b, t, self.num_kv_heads, self.head_dim)
+    v = v.reshape(b, t, self.num_kv_heads, self.head_dim)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     o = attend(q, k, v)
     return self.o_proj(o.reshape(b, t, self.num_heads * self.head_dim), slot_ids)
@@ -123,7 +124,8 @@ class MLP(nnx.Module):
     self.down_proj = make(f, d, bias)
 
   def __call__(self, x, slot_ids):
-    h = jax.nn.silu(self.gate_proj(x, slot_ids)) * self.up_proj(x, slot_ids)
+    gate, up = dense_many((self.gate_proj, self.up_proj), x, slot_ids)
+    h = jax.nn.silu(gate) * up
     return self.down_proj(h, slot_ids)
 
 

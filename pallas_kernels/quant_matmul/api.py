@@ -120,3 +120,29 @@ def quant_matmul(x: jax.Array, qk: QuantizedKernel, bits: jax.Array | None = Non
   else:
     y = _cpu_rows().rows_call(x, qk, bits, scale, slot_ids, group_k=g)
   return y.astype(out)
+
+
+def quant_matmul_many(x: jax.Array, qks, banks=None, slot_ids: jax.Array | None = None, *,
+                      group_k: int, preferred_element_type=None) -> list[jax.Array]:
+  """``[quant_matmul(x, qk, *bank, slot_ids) for each]``: the products of one x (a layer's
+  q/k/v, its gate/up) in one call of the CPU rows kernel where it takes them all
+  (`cpu_rows.rows_call_many`: x quantized once, one thread-pool run, the same bits as the
+  separate calls), else one `quant_matmul` each. ``banks``: None (plain products) or one
+  ``(bits [S, KP, N_i], scale [S, N_i])`` per product, sharing ``slot_ids``."""
+  qks = list(qks)
+  mod = _cpu_rows()
+  bits = None if banks is None else [b for b, _ in banks]
+  scales = None if banks is None else [s for _, s in banks]
+  out = jnp.dtype(preferred_element_type or x.dtype)
+  if mod is not None and x.ndim == 2 and mod.many_unavailable_reason(x, qks, bits) is None:
+    g = group_k_for(qks[0].shape[0], group_k)
+    for i, qk in enumerate(qks):
+      if x.shape[1] != qk.shape[0]:
+        raise ValueError(f"x {tuple(x.shape)} does not multiply a {qk.format} kernel {qk.shape}")
+      check_delta_operands(x, qk.shape, None if bits is None else bits[i],
+                           None if scales is None else scales[i], slot_ids, g)
+    ys = mod.rows_call_many(x, qks, bits, scales, slot_ids, group_k=g)
+    return [y.astype(out) for y in ys]
+  return [quant_matmul(x, qk, *(() if banks is None else (*banks[i], slot_ids)), group_k=group_k,
+                       preferred_element_type=preferred_element_type)
+          for i, qk in enumerate(qks)]

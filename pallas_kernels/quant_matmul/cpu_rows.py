@@ -53,7 +53,7 @@ from pallas_kernels.native.registry import NativeKernel
 
 from .blocks import BLOCK, FORMATS, QuantizedKernel
 from .formats import FORMATS as TABLE
-from .reference import with_reference_vjp
+from .reference import quant_matmul_reference, with_reference_vjp
 
 ACTIVATIONS = ("f32", "int8")
 # by format, from bench/results/kernels/quant_kernel.md (2 AVX2 cores shared with other work; rows 1
@@ -72,9 +72,11 @@ FASTEST_ACTIVATIONS = {f.name: f.fastest_activations for f in TABLE.values()}
 DEFAULT_ACTIVATIONS = settings.SETTINGS["BITDELTA_QUANT_ACTIVATIONS"].default  # int8
 _SOURCE = pathlib.Path(__file__).with_name("cpu_rows_kernel.cc")
 _TARGET = "bitdelta_quant_rows"
+_MANY_TARGET = "bitdelta_quant_rows_many"  # several products of one x in one call
 
 
-KERNELS = (NativeKernel("quant_rows", _SOURCE, ((_TARGET, "BitdeltaQuantRows"),),
+KERNELS = (NativeKernel("quant_rows", _SOURCE, ((_TARGET, "BitdeltaQuantRows"),
+                                                (_MANY_TARGET, "BitdeltaQuantRowsMany")),
                         "the quantized CPU rows kernel"),)
 
 
@@ -85,7 +87,8 @@ def _load() -> str | None:
 
 def build_target(arch: tuple[str, ...], target: str) -> None:
   """Builds the kernel with target flags ``arch`` (``()``: portable vectors) and registers it
-  as ``target`` (pass it to `rows_call`): for tests of the paths this machine's build skips."""
+  as ``target`` (pass it to `rows_call`; its many-products entry as ``target + "_many"``, for
+  `rows_call_many`): for tests of the paths this machine's build skips."""
   registry.build_variant(KERNELS[0], arch, target)
 
 
@@ -199,3 +202,91 @@ def _kernel(x, scale, qk, bits, slot_ids, *, group_k, target, act):
               fmt=np.int64(TABLE[qk.format].kernel_id), group_k=np.int64(group_k),
               first_slot=np.int64(first), delta=np.int64(delta),
               act=np.int64(ACTIVATIONS.index(act)))
+
+
+def many_unavailable_reason(x: jax.Array, qks, bits=None) -> str | None:
+  """None if `rows_call_many` takes these products of ``x``, else why not."""
+  if reason := unavailable_reason():
+    return reason
+  if not settings.get("BITDELTA_QUANT_ROWS_MANY"):
+    return "turned off by BITDELTA_QUANT_ROWS_MANY=0"
+  if len(qks) < 2:
+    return "one product: the plain call"
+  formats = {qk.format for qk in qks}
+  if len(formats) > 1:
+    return f"the products are in several formats ({sorted(formats)}): one call takes one"
+  if len({qk.shape[0] for qk in qks}) > 1:
+    return "the products have different K"
+  if bits is not None and any(b is None or b.ndim != 3 for b in bits):
+    return "a product without a slot bank beside ones with: separate calls"
+  for qk in qks:
+    if reason := shapes_supported(x.shape[0], qk):
+      return reason
+  return None
+
+
+def rows_call_many(x: jax.Array, qks, bits=None, scales=None, slot_ids=None, *,
+                   group_k: int = 8, target: str = _MANY_TARGET,
+                   activations: str | None = None) -> list[jax.Array]:
+  """`rows_call` of several weights of one ``x`` in one kernel call (a layer's q/k/v, its
+  gate/up): x's int8 copy and block sums made once, one thread-pool run for every product's
+  tasks; each result has exactly the bits of its own `rows_call` (every product splits its
+  columns and K as its own call would). ``qks`` share K and the format; ``bits``/``scales``:
+  None (plain products) or one bank per product (``[S, KP, N_i]``, ``[S, 1|N_i]``) with the
+  shared ``slot_ids [M]``. Differentiable in x and the scales (the reference's backward
+  pass)."""
+  qks = tuple(qks)
+  if target == _MANY_TARGET and (reason := many_unavailable_reason(x, qks, bits)):
+    raise NotImplementedError(reason)
+  group_k = group_k_for(qks[0].shape[0], group_k)
+  act = activations_for(qks[0].format, activations)
+  bits = None if bits is None else tuple(bits)
+  scales = None if scales is None else tuple(scales)
+
+  def kernel(x, scales, qks, bits, slot_ids):
+    return _many_kernel(x, scales, qks, bits, slot_ids, group_k=group_k, target=target, act=act)
+
+  @jax.custom_vjp
+  def f(x, scales, qks, bits, slot_ids):
+    return kernel(x, scales, qks, bits, slot_ids)
+
+  def fwd(x, scales, qks, bits, slot_ids):
+    return kernel(x, scales, qks, bits, slot_ids), (x, scales, qks, bits, slot_ids)
+
+  def bwd(res, cts):
+    x, scales, qks, bits, slot_ids = res
+    gx, gs = jnp.zeros_like(x), []
+    for i, (qk, ct) in enumerate(zip(qks, cts)):
+      if bits is None:
+        _, vjp = jax.vjp(lambda x, qk=qk: quant_matmul_reference(x, qk, group_k=group_k), x)
+        gx = gx + vjp(ct)[0]
+      else:
+        _, vjp = jax.vjp(lambda x, s, qk=qk, b=bits[i]: quant_matmul_reference(
+          x, qk, b, s, slot_ids, group_k=group_k), x, scales[i])
+        dx, ds = vjp(ct)
+        gx, gs = gx + dx, [*gs, ds]
+    return gx, (None if scales is None else tuple(gs)), None, None, None
+
+  f.defvjp(fwd, bwd)
+  return list(f(x, scales, qks, bits, slot_ids))
+
+
+def _many_kernel(x, scales, qks, bits, slot_ids, *, group_k, target, act):
+  m = x.shape[0]
+  call = jax.ffi.ffi_call(
+    target, tuple(jax.ShapeDtypeStruct((m, qk.shape[1]), jnp.float32) for qk in qks),
+    vmap_method="sequential")
+  ops = []
+  for i, qk in enumerate(qks):
+    n = qk.shape[1]
+    d = qk.d.astype(jnp.float16)
+    ops += [qk.qs, d, d if qk.m is None else qk.m.astype(jnp.float16)]
+    if bits is None:
+      ops += [jnp.zeros((1, 1, 1), jnp.uint8), jnp.zeros((1, 1), jnp.float32)]
+    else:
+      ops += [bits[i].astype(jnp.uint8),
+              jnp.broadcast_to(scales[i].astype(jnp.float32), (bits[i].shape[0], n))]
+  slots = (jnp.zeros((1,), jnp.int32) if bits is None else slot_ids.astype(jnp.int32))
+  return call(x.astype(jnp.float32), slots, *ops, fmt=np.int64(TABLE[qks[0].format].kernel_id),
+              group_k=np.int64(group_k), first_slot=np.int64(0),
+              delta=np.int64(0 if bits is None else 1), act=np.int64(ACTIVATIONS.index(act)))

@@ -1458,19 +1458,32 @@ void RunTask(const Args& a, const Pass& p, float* acc, int64_t b0, int64_t b1, i
 }
 #endif
 
-ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, int64_t M,
-               int64_t S, bool int8_act) {
-  const int64_t K = a.K, N = a.N, nb = a.nb;
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  for (int64_t r = 0; slots && r < M; ++r)
-    if (slots[r] > 0 && (slots[r] < a.first || slots[r] - a.first >= S))
-      return ffi::Error::InvalidArgument("quant_rows: a slot id is past the bank");
+// One product of a call: its weights (and slot bank), its bank's slot count and its output.
+struct Product {
+  Args a;
+  float* y;  // [M, a.N]
+  int64_t S;
+};
+
+// The products x · W_p (+ deltas) of one x: x's block sums and int8 copy made once, then every
+// product's tasks in one pool run. Every product splits its columns and K exactly as a call of
+// its own would (the same sums: a fused q/k/v call gives the bits of three calls). The products
+// share K, the format and the slot ids.
+ffi::Error RunMany(const std::vector<Product>& prods, const float* x, const int32_t* slots,
+                   int64_t M, bool int8_act) {
+  if (prods.empty() || M == 0) return ffi::Error::Success();
+  const Args& a0 = prods[0].a;
+  const int64_t K = a0.K, nb = a0.nb;
+  for (const Product& pr : prods)
+    for (int64_t r = 0; slots && r < M; ++r)
+      if (slots[r] > 0 && (slots[r] < pr.a.first || slots[r] - pr.a.first >= pr.S))
+        return ffi::Error::InvalidArgument("quant_rows: a slot id is past the bank");
   // x's block sums and int8 copy, made once per call (over the pool when there are many)
   thread_local std::vector<float> sx, xd;
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<int16_t> x16;
   thread_local std::vector<int32_t> xqs;
-  const bool q16 = int8_act && a.fmt == kQ8_0;
+  const bool q16 = int8_act && a0.fmt == kQ8_0;
   // Σx per block: q4_1's m·Σx with f32 x, and every delta term (x·S = 2·x·B − Σx)
   bool need_sx = !int8_act;
   for (int64_t r = 0; slots && !need_sx && r < M; ++r) need_sx = slots[r] > 0;
@@ -1505,7 +1518,12 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
       pool.run([&](int t) { prep(std::min(units, t * per), std::min(units, (t + 1) * per)); }, n);
     }
   }
-  thread_local std::vector<float> scratch;  // the partials of K tasks 1..
+  // a product's split of one pass: column ranges of at least kMinCols (multiples of 64), then
+  // K ranges of whole blocks and, with deltas, whole bit groups (split as for a pass of at
+  // most kRowsPerPass rows: the same sums on every path)
+  struct Split { int64_t nn, ncol, nk, kper, part, first_task, first_part; };
+  thread_local std::vector<float> scratch;  // the partials of K tasks 1.., product after product
+  std::vector<Split> splits(prods.size());
   for (int64_t r0 = 0; r0 < M; r0 += pass_rows) {
     const int64_t rows = std::min(pass_rows, M - r0);
     std::vector<Group> groups;
@@ -1521,55 +1539,68 @@ ffi::Error Run(const Args& a, const float* x, const int32_t* slots, float* y, in
                  q16 ? x16.data() + r0 * K : nullptr,
                  int8_act ? xd.data() + r0 * nb : nullptr,
                  int8_act ? xqs.data() + r0 * nb : nullptr};
-    float* yp = y + r0 * N;
-    // tasks: column ranges of at least kMinCols (multiples of 64), then K ranges of whole
-    // blocks and, with deltas, whole bit groups
-    // (split as for a pass of at most kRowsPerPass rows: the same sums on every path)
-    const int threads =
-        std::min(rows, kRowsPerPass) * K * N < (int64_t(1) << 16) ? 1 : pool.size();
-    int64_t nn = std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinCols));
-    int64_t ncol = (N + nn - 1) / nn;
-    ncol = (ncol + 63) / 64 * 64;
-    nn = (N + ncol - 1) / ncol;
-    const int64_t unit = groups.empty() ? 1 : std::lcm(kBlock, a.G) / kBlock;  // in blocks
-    const int64_t units = (nb + unit - 1) / unit;
-    int64_t nk = std::max<int64_t>(1, std::min<int64_t>(threads / nn, units));
-    const int64_t kper = (units + nk - 1) / nk * unit;  // blocks per K task
-    nk = (nb + kper - 1) / kper;
-    const int64_t part = rows * N;
-    if (int64_t(scratch.size()) < (nk - 1) * part) scratch.resize((nk - 1) * part);
+    int64_t tasks = 0, parts_total = 0;
+    for (size_t i = 0; i < prods.size(); ++i) {
+      const Args& a = prods[i].a;
+      const int64_t N = a.N;
+      const int threads =
+          std::min(rows, kRowsPerPass) * K * N < (int64_t(1) << 16) ? 1 : pool.size();
+      int64_t nn = std::max<int64_t>(1, std::min<int64_t>(threads, N / kMinCols));
+      int64_t ncol = (N + nn - 1) / nn;
+      ncol = (ncol + 63) / 64 * 64;
+      nn = (N + ncol - 1) / ncol;
+      const int64_t unit = groups.empty() ? 1 : std::lcm(kBlock, a.G) / kBlock;  // in blocks
+      const int64_t units = (nb + unit - 1) / unit;
+      int64_t nk = std::max<int64_t>(1, std::min<int64_t>(threads / nn, units));
+      const int64_t kper = (units + nk - 1) / nk * unit;  // blocks per K task
+      nk = (nb + kper - 1) / kper;
+      splits[i] = {nn, ncol, nk, kper, rows * N, tasks, parts_total};
+      tasks += nk * nn;
+      parts_total += (nk - 1) * rows * N;
+    }
+    if (int64_t(scratch.size()) < parts_total) scratch.resize(parts_total);
     float* parts = scratch.data();
     pool.run([&](int t) {
-      const int64_t kc = t / nn, nc = t % nn;
-      const int64_t b0 = kc * kper, b1 = std::min(nb, b0 + kper);
-      const int64_t n0 = nc * ncol, n1 = std::min(N, n0 + ncol);
-      float* acc = kc == 0 ? yp : parts + (kc - 1) * part;
-      for (int64_t r = 0; r < rows; ++r) std::fill(acc + r * N + n0, acc + r * N + n1, 0.f);
+      size_t i = 0;
+      while (i + 1 < prods.size() && t >= splits[i + 1].first_task) ++i;
+      const Split& sp = splits[i];
+      const Args& a = prods[i].a;
+      const int64_t local = t - sp.first_task;
+      const int64_t kc = local / sp.nn, nc = local % sp.nn;
+      const int64_t b0 = kc * sp.kper, b1 = std::min(nb, b0 + sp.kper);
+      const int64_t n0 = nc * sp.ncol, n1 = std::min(a.N, n0 + sp.ncol);
+      float* acc = kc == 0 ? prods[i].y + r0 * a.N : parts + sp.first_part + (kc - 1) * sp.part;
+      for (int64_t r = 0; r < rows; ++r) std::fill(acc + r * a.N + n0, acc + r * a.N + n1, 0.f);
       RunTask(a, p, acc, b0, b1, n0, n1);
-    }, int(nk * nn));
-    for (int64_t c = 1; c < nk; ++c) {
-      const float* q = parts + (c - 1) * part;
-      for (int64_t i = 0; i < part; ++i) yp[i] += q[i];
+    }, int(tasks));
+    for (size_t i = 0; i < prods.size(); ++i) {
+      const Split& sp = splits[i];
+      float* yp = prods[i].y + r0 * prods[i].a.N;
+      for (int64_t c = 1; c < sp.nk; ++c) {
+        const float* q = parts + sp.first_part + (c - 1) * sp.part;
+        for (int64_t j = 0; j < sp.part; ++j) yp[j] += q[j];
+      }
     }
   }
   return ffi::Error::Success();
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16> d,
-                ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> scale,
-                ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y, int64_t format,
-                int64_t group_k, int64_t first_slot, int64_t delta, int64_t act) {
-  auto xd = x.dimensions();
+// One product's operands checked against x [M, K] and turned into its Args (and slot count).
+ffi::Error Weights(const ffi::AnyBuffer& qs, const ffi::Buffer<ffi::F16>& d,
+                   const ffi::Buffer<ffi::F16>& m, const ffi::Buffer<ffi::U8>& bits,
+                   const ffi::Buffer<ffi::F32>& scale, int64_t M, int64_t K, int64_t slots_n,
+                   int64_t format, int64_t group_k, int64_t first_slot, int64_t delta,
+                   Args* out, int64_t* S_out) {
   auto qd = qs.dimensions();
   auto dd = d.dimensions();
   if (format < kQ8_0 || format > kQ4_1)
     return ffi::Error::InvalidArgument("quant_rows: format must be 0 (q8_0), 1 (q4_0) or 2 (q4_1)");
   const Format fmt = Format(format);
   const int64_t qrows = fmt == kQ8_0 ? 32 : 16;
-  if (xd.size() != 2 || qd.size() != 3 || qd[1] != qrows || qd[0] * kBlock != xd[1] ||
-      dd.size() != 2 || dd[0] != qd[0] || dd[1] != qd[2])
+  if (qd.size() != 3 || qd[1] != qrows || qd[0] * kBlock != K || dd.size() != 2 ||
+      dd[0] != qd[0] || dd[1] != qd[2])
     return ffi::Error::InvalidArgument("quant_rows: expected x[M,K], qs[K/32,32|16,N], d[K/32,N]");
-  const int64_t M = xd[0], K = xd[1], N = qd[2], nb = qd[0];
+  const int64_t N = qd[2], nb = qd[0];
   if (qs.element_type() != (fmt == kQ8_0 ? ffi::DataType::S8 : ffi::DataType::U8))
     return ffi::Error::InvalidArgument("quant_rows: qs is int8 for q8_0, uint8 for q4_0/q4_1");
   if (fmt == kQ4_1 && (m.dimensions().size() != 2 || m.dimensions()[0] != nb ||
@@ -1580,7 +1611,7 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
     auto bd = bits.dimensions();
     auto sd = scale.dimensions();
     if (bd.size() != 3 || bd[2] != N || bd[1] * 8 < K || sd.size() != 2 || sd[0] != bd[0] ||
-        sd[1] != N || slots.dimensions().size() != 1 || slots.dimensions()[0] != M)
+        sd[1] != N || slots_n != M)
       return ffi::Error::InvalidArgument(
           "quant_rows: expected bits[S,KP,N], scale[S,N] and slots[M] matching x and W");
     if (first_slot < 0 || first_slot > 1)
@@ -1590,15 +1621,74 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16
     S = bd[0];
     KP = bd[1];
   }
-  const Args a{K, N, nb, qrows, fmt,
-               static_cast<const uint8_t*>(qs.untyped_data()),
-               reinterpret_cast<const uint16_t*>(d.untyped_data()),
-               reinterpret_cast<const uint16_t*>(m.untyped_data()),
-               bits.typed_data(), scale.typed_data(), KP, delta ? group_k : 8, first_slot};
+  *out = Args{K, N, nb, qrows, fmt,
+              static_cast<const uint8_t*>(qs.untyped_data()),
+              reinterpret_cast<const uint16_t*>(d.untyped_data()),
+              reinterpret_cast<const uint16_t*>(m.untyped_data()),
+              bits.typed_data(), scale.typed_data(), KP, delta ? group_k : 8, first_slot};
+  *S_out = S;
+  return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::Buffer<ffi::F16> d,
+                ffi::Buffer<ffi::F16> m, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> scale,
+                ffi::Buffer<ffi::S32> slots, ffi::ResultBuffer<ffi::F32> y, int64_t format,
+                int64_t group_k, int64_t first_slot, int64_t delta, int64_t act) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2)
+    return ffi::Error::InvalidArgument("quant_rows: expected x[M,K], qs[K/32,32|16,N], d[K/32,N]");
   if (act < 0 || act > 1)
     return ffi::Error::InvalidArgument("quant_rows: act must be 0 (f32) or 1 (int8)");
-  return Run(a, x.typed_data(), delta ? slots.typed_data() : nullptr, y->typed_data(), M, S,
-             act == 1);
+  const int64_t M = xd[0];
+  Args a;
+  int64_t S;
+  const int64_t slots_n = slots.dimensions().size() == 1 ? slots.dimensions()[0] : -1;
+  ffi::Error err = Weights(qs, d, m, bits, scale, M, xd[1], slots_n, format, group_k,
+                           first_slot, delta, &a, &S);
+  if (err.failure()) return err;
+  return RunMany({{a, y->typed_data(), S}}, x.typed_data(), delta ? slots.typed_data() : nullptr,
+                 M, act == 1);
+}
+
+// Several products of one x in one call (q/k/v, gate/up): after x and the slot ids, five
+// operands per product (qs, d, m, bits, scale) and one result each; the products share the
+// format, group_k, first_slot, delta and act. Each product's sums are those of its own call.
+ffi::Error ManyImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> slots, ffi::RemainingArgs ops,
+                    ffi::RemainingRets ys, int64_t format, int64_t group_k, int64_t first_slot,
+                    int64_t delta, int64_t act) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2)
+    return ffi::Error::InvalidArgument("quant_rows_many: expected x[M,K]");
+  if (act < 0 || act > 1)
+    return ffi::Error::InvalidArgument("quant_rows_many: act must be 0 (f32) or 1 (int8)");
+  const size_t P = ys.size();
+  if (P == 0 || ops.size() != 5 * P)
+    return ffi::Error::InvalidArgument(
+        "quant_rows_many: expected 5 operands (qs, d, m, bits, scale) per result");
+  const int64_t M = xd[0], K = xd[1];
+  const int64_t slots_n = slots.dimensions().size() == 1 ? slots.dimensions()[0] : -1;
+  std::vector<Product> prods(P);
+  for (size_t i = 0; i < P; ++i) {
+    auto qs = ops.get<ffi::AnyBuffer>(5 * i);
+    auto d = ops.get<ffi::Buffer<ffi::F16>>(5 * i + 1);
+    auto m = ops.get<ffi::Buffer<ffi::F16>>(5 * i + 2);
+    auto bits = ops.get<ffi::Buffer<ffi::U8>>(5 * i + 3);
+    auto scale = ops.get<ffi::Buffer<ffi::F32>>(5 * i + 4);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(i);
+    if (!qs.has_value() || !d.has_value() || !m.has_value() || !bits.has_value() ||
+        !scale.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument(
+          "quant_rows_many: operands per product are qs (s8|u8), d, m (f16), bits (u8), scale "
+          "(f32); results f32");
+    ffi::Error err = Weights(*qs, *d, *m, *bits, *scale, M, K, slots_n, format, group_k,
+                             first_slot, delta, &prods[i].a, &prods[i].S);
+    if (err.failure()) return err;
+    auto yd = (*y)->dimensions();
+    if (yd.size() != 2 || yd[0] != M || yd[1] != prods[i].a.N)
+      return ffi::Error::InvalidArgument("quant_rows_many: result i must be [M, N_i]");
+    prods[i].y = (*y)->typed_data();
+  }
+  return RunMany(prods, x.typed_data(), delta ? slots.typed_data() : nullptr, M, act == 1);
 }
 
 }  // namespace
@@ -1626,6 +1716,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRows, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // scale [S, N]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [M, N]
+                                  .Attr<int64_t>("fmt")
+                                  .Attr<int64_t>("group_k")
+                                  .Attr<int64_t>("first_slot")
+                                  .Attr<int64_t>("delta")
+                                  .Attr<int64_t>("act"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BitdeltaQuantRowsMany, ManyImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // slots [M]
+                                  .RemainingArgs()               // (qs, d, m, bits, scale) each
+                                  .RemainingRets()               // y_i [M, N_i] f32
                                   .Attr<int64_t>("fmt")
                                   .Attr<int64_t>("group_k")
                                   .Attr<int64_t>("first_slot")

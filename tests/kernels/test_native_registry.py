@@ -30,7 +30,7 @@ def test_every_handler_a_source_defines_is_declared_once():
       declared[sym] = k.source.resolve()
   assert declared == defined
   targets = [t for k in registry.kernels() for t, _ in k.handlers]
-  assert len(targets) == len(set(targets)) == 12
+  assert len(targets) == len(set(targets)) == 13
 
 
 def test_only_the_registry_registers_ffi_targets():

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 from flax import nnx
-from model_fixtures import forward, hf_logits, make_bpe_tokenizer, make_hf_model
+from model_fixtures import _jit_forward, forward, hf_logits, make_bpe_tokenizer, make_hf_model
 
 from bitdelta_jax.delta.store import DeltaMismatchError, load_delta
 from bitdelta_jax.delta.stream import apply_checkpoint, compress_checkpoints
@@ -92,6 +92,12 @@ def test_blocks_stay_blocks_and_logits_match_the_dequantized_checkpoint(quantize
   got = forward(model, IDS)
   # the same weights: f32 sums in another order (the quantized kernel sums per block)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+  # q/k/v and gate/up of a layer are one kernel call each (`layers.dense_many`)
+  graphdef, state = nnx.split(model)
+  text = _jit_forward(graphdef).lower(state, np.asarray(IDS, np.int32), None).as_text()
+  layers = model.config.num_layers
+  assert text.count("custom_call @bitdelta_quant_rows_many") == 2 * layers
+  assert text.count("custom_call @bitdelta_quant_rows(") == 2 * layers + 1  # o, down, the head
 
 
 def test_dequantized_checkpoint_agrees_with_transformers(quantized):
