@@ -9,6 +9,8 @@ checkpoint and ``nnx.state(model, SlotBank)`` is the variant bank:
   ``m``'s sequence; the matmul, with or without a bank, is one call of
   `pallas_kernels.delta_matmul.api.delta_matmul`, which picks the kernel. Bank: bits
   ``[S, K_pad/8, N]`` uint8, scale ``[S, N]`` f32 (a per-matrix α is broadcast to N).
+  `dense_many`: layers that read one x (q/k/v, gate/up) over a GGUF base's blocks, in one
+  `pallas_kernels.quant_matmul.api.quant_matmul_many` call (one CPU kernel call).
 * `RMSNorm`: per-slot f32 weight delta ``[S, D]`` (norms are kept exactly by the compressor).
 * `Embed` / `LMHead`: optional per-slot dense f32 deltas (``ModelConfig.dense_embedding_slots``)
   and a per-slot flag of whether the slot's delta is non-zero. The input side gathers only the
