@@ -112,3 +112,34 @@ def _api_case(rng, dtype):
                                             block_pages=2)
 
 
+
+
+def hostile_batch():
+  """Three bf16 prompt chunks (48 tokens, KV 2, G 3, head_dim 64) whose second sequence holds
+  NaN and inf in its written K and V rows; the page list's unused entries point at its pages
+  too. Returns (q, k_pool, v_pool, inputs, check): ``check(out)`` asserts that every other
+  token's output is finite and its own attention, and padding zeros (layer 0)."""
+  rng = np.random.default_rng(7)
+  kv, g, d = 2, 3, 64
+  q, k_pool, v_pool, kw, owner, pages_of = _batch(
+    rng, prefill=[(3, 12), (0, 21), (9, 11)], n_tok=48, u=12, num_pages=32, kv=kv, g=g, d=d,
+    dtype=jnp.bfloat16, hostile=1)
+  k_pool, v_pool = np.asarray(k_pool, np.float32), np.asarray(v_pool, np.float32)
+  for p in pages_of[1]:
+    v_pool[:, p, ::3] = np.nan
+    v_pool[:, p, 1::3] = np.inf
+    k_pool[:, p, 2::5] = np.nan
+  k_pool, v_pool = k_pool.astype(jnp.bfloat16), v_pool.astype(jnp.bfloat16)
+
+  def check(out):
+    ulp = float(jnp.finfo(jnp.bfloat16).eps)
+    for t in range(48):
+      i = owner[t]
+      if i is None:
+        np.testing.assert_array_equal(out[t], 0.0)
+      elif i != 1:  # the tenants: finite, and their own attention
+        want = _exact(q, k_pool, v_pool, 0, t, pages_of[i], int(kw["positions"][t]), None, kv, g)
+        assert np.isfinite(out[t]).all(), t
+        np.testing.assert_allclose(out[t], want, rtol=0, atol=ulp * np.abs(want).max() + ulp * 4)
+
+  return jnp.asarray(q), jnp.asarray(k_pool), jnp.asarray(v_pool), _prompt_inputs(kw, 12), check
