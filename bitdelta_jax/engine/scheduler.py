@@ -223,7 +223,7 @@ class Scheduler:
         continue
       as_decode = s.pending == 1  # (choices fork when their leader's first token is drawn,
       n = 1 if as_decode else min(share.get(id(s), 0), budget)  # in a lane or after a prompt)
-      if n == 0:  # older prompts took this iteration's prefill budget
+      if n == 0:  # other prompts took this iteration's prefill budget (`_prefill_shares`)
         self._progress(s)
         continue
       need = -(-(s.n_cached + n) // self.page_size) - len(s.pages)
@@ -256,11 +256,11 @@ class Scheduler:
 
   def _prefill_shares(self, budget: int) -> dict[int, int]:
     """Prompt tokens each unfinished prompt computes this iteration (by ``id``): the oldest
-    takes up to a quarter of ``budget`` first (every prompt keeps moving), then the rest goes to
-    the prompts with the fewest tokens left, oldest first among equals. So a short prompt that
-    arrives behind a long one is computed within an iteration instead of after all of the long
-    one's chunks (first come, first served, it waited ~6 s behind a 2k-token prompt at 1B);
-    a lone prompt still takes the whole budget. The plan then walks the requests oldest first
+    takes up to a quarter of ``budget`` first (so none waits forever: each becomes the oldest),
+    then the rest goes to the prompts with the fewest tokens left, oldest first among equals.
+    So a short prompt that arrives behind a long one is computed within an iteration instead of
+    after all of the long one's chunks (first come, first served, it waited ~6 s behind a
+    2k-token prompt at 1B); a lone prompt still takes the whole budget. The plan then walks the requests oldest first
     as before (preemption takes the newest, never one already planned)."""
     prompts = sorted((s for s in self.running if s.pending > 1), key=lambda x: x.order)
     if not prompts:
