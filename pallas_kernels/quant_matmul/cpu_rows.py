@@ -53,7 +53,7 @@ from pallas_kernels.native.registry import NativeKernel
 
 from .blocks import BLOCK, FORMATS, QuantizedKernel
 from .formats import FORMATS as TABLE
-from .reference import quant_matmul_reference, with_reference_vjp
+from .reference import reference_grads, with_reference_vjp
 
 ACTIVATIONS = ("f32", "int8")
 # by format, from bench/results/kernels/quant_kernel.md (2 AVX2 cores shared with other work; rows 1
@@ -255,17 +255,12 @@ def rows_call_many(x: jax.Array, qks, bits=None, scales=None, slot_ids=None, *,
 
   def bwd(res, cts):
     x, scales, qks, bits, slot_ids = res
-    gx, gs = jnp.zeros_like(x), []
-    for i, (qk, ct) in enumerate(zip(qks, cts)):
-      if bits is None:
-        _, vjp = jax.vjp(lambda x, qk=qk: quant_matmul_reference(x, qk, group_k=group_k), x)
-        gx = gx + vjp(ct)[0]
-      else:
-        _, vjp = jax.vjp(lambda x, s, qk=qk, b=bits[i]: quant_matmul_reference(
-          x, qk, b, s, slot_ids, group_k=group_k), x, scales[i])
-        dx, ds = vjp(ct)
-        gx, gs = gx + dx, [*gs, ds]
-    return gx, (None if scales is None else tuple(gs)), None, None, None
+    grads = [reference_grads(ct, x, None if bits is None else scales[i], qk,
+                             None if bits is None else bits[i], slot_ids, group_k)
+             for i, (qk, ct) in enumerate(zip(qks, cts))]
+    dx = sum((g[0] for g in grads[1:]), grads[0][0])
+    ds = None if bits is None else tuple(g[1] for g in grads)
+    return dx, ds, None, None, None
 
   f.defvjp(fwd, bwd)
   return list(f(x, scales, qks, bits, slot_ids))

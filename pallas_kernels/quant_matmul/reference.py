@@ -46,12 +46,18 @@ def with_reference_vjp(kernel, group_k: int):
 
   def bwd(res, ct):
     x, scale, qk, bits, slot_ids = res
-    if bits is None:
-      _, vjp = jax.vjp(lambda x: quant_matmul_reference(x, qk, group_k=group_k), x)
-      return (*vjp(ct), None, None, None, None)
-    _, vjp = jax.vjp(lambda x, s: quant_matmul_reference(x, qk, bits, s, slot_ids,
-                                                         group_k=group_k), x, scale)
-    return (*vjp(ct), None, None, None)
+    return (*reference_grads(ct, x, scale, qk, bits, slot_ids, group_k), None, None, None)
 
   f.defvjp(fwd, bwd)
   return f
+
+
+def reference_grads(ct, x, scale, qk, bits, slot_ids, group_k: int):
+  """(dx, dscale) of `quant_matmul_reference` for the cotangent ``ct`` (dscale None without
+  bits): the backward pass of the kernels (`with_reference_vjp`, `cpu_rows.rows_call_many`)."""
+  if bits is None:
+    _, vjp = jax.vjp(lambda x: quant_matmul_reference(x, qk, group_k=group_k), x)
+    return vjp(ct)[0], None
+  _, vjp = jax.vjp(lambda x, s: quant_matmul_reference(x, qk, bits, s, slot_ids,
+                                                       group_k=group_k), x, scale)
+  return vjp(ct)

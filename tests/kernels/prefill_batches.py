@@ -40,9 +40,25 @@ def _batch(rng, *, prefill, decode=(), n_tok, u, num_pages, kv, g, d, dtype, hos
   page_seq = np.full((u,), -2, np.int32)
   page_start = np.zeros((u,), np.int32)
   page_fill = np.zeros((u,), np.int32)
-  col, at = len(decode), 0
+  place_prompt_chunks(prefill, len(decode), pages_of, ps, positions=positions,
+                      token_seq=token_seq, owner=owner, pages=pages, page_seq=page_seq,
+                      page_start=page_start, page_fill=page_fill)
+  q = rng.standard_normal((n_tok, kv * g, d)).astype(np.float32)
+  kw = dict(pages=pages, page_seq=page_seq, page_start=page_start, page_fill=page_fill,
+            token_seq=token_seq, positions=positions)
+  return (q.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype),
+          {k: jnp.asarray(v) for k, v in kw.items()}, owner, pages_of)
+
+
+def place_prompt_chunks(prefill, first, pages_of, ps, *, positions, token_seq, owner, pages,
+                        page_seq, page_start, page_fill) -> int:
+  """Writes the prompt chunks ``prefill`` (``(cached, new)``; sequence ``first + j`` of
+  ``pages_of``) after the ``first`` decode tokens, as the scheduler packs them: each token's
+  position, sequence and owner, and each chunk's pages in the page list (pages of ``ps``
+  tokens). Returns the page-list entries used."""
+  col, at = first, 0
   for j, (cached, m) in enumerate(prefill):
-    i, pg = len(decode) + j, pages_of[len(decode) + j]
+    i, pg = first + j, pages_of[first + j]
     positions[col : col + m] = np.arange(cached, cached + m)
     token_seq[col : col + m] = j
     owner[col : col + m] = [i] * m
@@ -50,11 +66,7 @@ def _batch(rng, *, prefill, decode=(), n_tok, u, num_pages, kv, g, d, dtype, hos
     page_start[at : at + len(pg)] = np.arange(len(pg)) * ps
     page_fill[at : at + len(pg)] = np.clip(cached + m - np.arange(len(pg)) * ps, 0, ps)
     col, at = col + m, at + len(pg)
-  q = rng.standard_normal((n_tok, kv * g, d)).astype(np.float32)
-  kw = dict(pages=pages, page_seq=page_seq, page_start=page_start, page_fill=page_fill,
-            token_seq=token_seq, positions=positions)
-  return (q.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype),
-          {k: jnp.asarray(v) for k, v in kw.items()}, owner, pages_of)
+  return at
 
 
 def _prompt_inputs(kw, u, **lanes):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from prefill_batches import place_prompt_chunks
 
 from pallas_kernels.paged_attention import AttentionInputs, ragged_paged_attention
 
@@ -119,16 +120,9 @@ def _isolation_case(rng, block_pages, num_pages=48):
   page_seq = np.full((u,), -2, np.int32)
   page_start = np.zeros((u,), np.int32)
   page_fill = np.zeros((u,), np.int32)
-  col, at = len(decode), 0
-  for j, (cached, m) in enumerate(prefill):
-    i, pg = len(decode) + j, pages_of[len(decode) + j]
-    positions[col : col + m] = np.arange(cached, cached + m)
-    token_seq[col : col + m] = j
-    owner[col : col + m] = [i] * m
-    pages[at : at + len(pg)], page_seq[at : at + len(pg)] = pg, j
-    page_start[at : at + len(pg)] = np.arange(len(pg)) * PS
-    page_fill[at : at + len(pg)] = np.clip(cached + m - np.arange(len(pg)) * PS, 0, PS)
-    col, at = col + m, at + len(pg)
+  at = place_prompt_chunks(prefill, len(decode), pages_of, PS, positions=positions,
+                           token_seq=token_seq, owner=owner, pages=pages, page_seq=page_seq,
+                           page_start=page_start, page_fill=page_fill)
   written = {(p, t) for i, n in enumerate(lens) for k, p in enumerate(pages_of[i])
              for t in range(PS) if k * PS + t < n}
   stale = {(p, t) for p in range(num_pages) for t in range(PS)} - written
